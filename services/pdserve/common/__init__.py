@@ -1,0 +1,1 @@
+"""Shared types with no dependency on the rest of pdserve."""

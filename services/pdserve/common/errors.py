@@ -1,0 +1,50 @@
+"""Typed errors. Each maps to one HTTP status / gRPC code at the process edge."""
+
+
+class PdserveError(Exception):
+    """Base of every error pdserve raises on purpose."""
+
+
+class ConfigError(PdserveError, ValueError):
+    """A configuration value is invalid. Names the field and the value."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        super().__init__(f"{field}={value!r}: {reason}")
+        self.field = field
+        self.value = value
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """A request is malformed or out of range (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownRequestError(PdserveError, KeyError):
+    """An operation names a request the manager does not hold."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class DuplicateRequestError(PdserveError, ValueError):
+    """A request id is already held."""
+
+
+class OutOfBlocksError(PdserveError):
+    """Not enough free or evictable blocks; nothing was changed."""
+
+    def __init__(self, needed: int, available: int) -> None:
+        super().__init__(f"need {needed} blocks, only {available} free or evictable")
+        self.needed = needed
+        self.available = available
+
+
+class TransferError(PdserveError):
+    """Moving KV blocks between workers failed or timed out."""
+
+
+class IncompatiblePeerError(TransferError):
+    """A peer's KV layout does not match ours; no bytes were moved."""

@@ -1,0 +1,11 @@
+"""Distinct id types, so mixed-up arguments show at review time."""
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+"""SHA-256 digest naming a full block's content and its whole prefix."""
+
+BlockId = NewType("BlockId", int)
+"""Index of a physical block in one worker's KV tensor."""
+
+RequestId = NewType("RequestId", str)
+WorkerId = NewType("WorkerId", str)

@@ -1,0 +1,1 @@
+"""Model forward over the paged KV cache, scheduler and sampler (torch)."""

@@ -1,0 +1,85 @@
+"""Request and output types shared by router, worker and engine (no torch, no protobuf).
+
+The router builds a `GenerationRequest` from an HTTP body; the worker's engine streams
+`RequestOutput` deltas back. `rpc/` converts both to and from protobuf.
+"""
+from dataclasses import dataclass, field
+
+from pdserve.common.ids import RequestId
+
+DEFAULT_RETENTION_PRIORITY = 35
+
+
+@dataclass(slots=True, frozen=True)
+class PriorityRange:
+    """Retention priority for prompt tokens [start, end); `duration_s` None means forever."""
+
+    start: int
+    end: int
+    priority: int
+    duration_s: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class MultimodalSpan:
+    """A multimodal item's content hash and the prompt token span it occupies."""
+
+    content_hash: bytes
+    offset: int
+    length: int
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # top-N logprobs per generated token
+    include_stop_str_in_output: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationRequest:
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    priorities: tuple[PriorityRange, ...] = ()
+    multimodal: tuple[MultimodalSpan, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(slots=True, frozen=True)
+class RequestOutput:
+    """One step's delta for one of a request's `n` completions."""
+
+    request_id: RequestId
+    index: int  # which of the n completions
+    token_ids: tuple[int, ...]  # tokens generated this step
+    text: str  # detokenized text delta (never splits a multi-byte character)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None

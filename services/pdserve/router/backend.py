@@ -1,0 +1,36 @@
+"""What the HTTP layer needs from whatever runs generation (a worker over gRPC, or a test fake)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
+
+from pdserve.common.ids import RequestId
+from pdserve.common.request import GenerationRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from pdserve.common.stats import EngineStats, ModelInfo
+
+
+class GenerateBackend(Protocol):
+    """The router's view of one generation service.
+
+    Contracts:
+    - `generate` yields `RequestOutput` deltas for every one of the request's `n` completions
+      (told apart by `RequestOutput.index`) and ends after each index has yielded one output
+      with `finish_reason` set. Text deltas are already detokenized and stop-string trimmed.
+    - Abandoning the iterator (`aclose()`, or cancelling the task awaiting it) aborts the
+      request in the worker and frees its blocks; the router relies on this when a client
+      disconnects or a wait times out.
+    - A request the worker refuses raises `InvalidRequestError`; an unreachable worker raises
+      `WorkerUnavailableError`. Every call is bounded in time by the implementation.
+    """
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: RequestId) -> None: ...
+
+    async def stats(self) -> EngineStats: ...
+
+    async def info(self) -> ModelInfo: ...
+
+    async def close(self) -> None: ...

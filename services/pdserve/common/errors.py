@@ -12,6 +12,7 @@ class ConfigError(PdserveError, ValueError):
         super().__init__(f"{field}={value!r}: {reason}")
         self.field = field
         self.value = value
+        self.reason = reason
 
 
 class InvalidRequestError(PdserveError, ValueError):
@@ -48,3 +49,25 @@ class TransferError(PdserveError):
 
 class IncompatiblePeerError(TransferError):
     """A peer's KV layout does not match ours; no bytes were moved."""
+
+
+class WorkerUnavailableError(PdserveError):
+    """A worker cannot be reached, or is shutting down (HTTP 503)."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"worker {address} unavailable: {reason}")
+        self.address = address
+        self.reason = reason
+
+
+class WorkerTimeoutError(PdserveError, TimeoutError):
+    """A call to a worker ran past its deadline (HTTP 504); the worker aborted the request."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        super().__init__(f"worker {address} did not answer within {timeout_s:g} s")
+        self.address = address
+        self.timeout_s = timeout_s
+
+
+class WorkerError(PdserveError):
+    """A worker failed a request for a reason of its own (HTTP 500)."""

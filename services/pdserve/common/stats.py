@@ -1,0 +1,63 @@
+"""What a worker reports about itself: its model and KV layout (once), its load (often).
+
+The worker's engine produces these; `rpc/` carries them; the router reads them to check that
+it computes the same block keys as the worker and to weigh load when it picks a worker.
+"""
+import enum
+from dataclasses import dataclass
+
+
+class WorkerRole(enum.StrEnum):
+    BOTH = "both"  # aggregated: prefill and decode in one process
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Fixed for a worker's lifetime; the router asks once, at start.
+
+    `block_hash_algorithm` names the block-key digest and its layout version (e.g.
+    "sha256-v1"); a router whose own algorithm differs must refuse the worker, since
+    its prefix index would never match the worker's blocks.
+    """
+
+    model_name: str
+    max_model_len: int
+    tokens_per_block: int
+    block_hash_algorithm: str
+    role: WorkerRole
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of one worker's load.
+
+    Blocks: `num_used_blocks` are referenced by at least one request; `num_free_blocks`
+    can be allocated without preempting anyone (empty blocks plus cached blocks no request
+    holds). Prefix-cache and preemption figures are cumulative since the worker started.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_used_blocks: int
+    num_prefill_tokens_queued: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of blocks in use, 0.0 for a worker with no blocks."""
+        return self.num_used_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens over queried tokens, 0.0 before the first query."""
+        if not self.prefix_cache_queried_tokens:
+            return 0.0
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens

@@ -26,9 +26,16 @@ test: $(STAMP)
 bench: $(STAMP)
 	bash benchmarks/run_all.sh
 
+# protoc names modules after the proto path (pdserve.v1.*); ours live in pdserve.rpc.gen,
+# so the generated imports are rewritten and the modules copied in flat.
+PROTO_GEN := services/pdserve/rpc/gen
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I proto --python_out=services/pdserve/rpc/gen \
-	  --grpc_python_out=services/pdserve/rpc/gen proto/pdserve/v1/*.proto
+	rm -rf build/proto && mkdir -p build/proto
+	$(PY) -m grpc_tools.protoc -I proto --python_out=build/proto --pyi_out=build/proto \
+	  --grpc_python_out=build/proto proto/pdserve/v1/*.proto
+	sed -i 's/^from pdserve\.v1 import/from pdserve.rpc.gen import/' build/proto/pdserve/v1/*_pb2*
+	rm -f $(PROTO_GEN)/*_pb2*
+	cp build/proto/pdserve/v1/*_pb2* $(PROTO_GEN)/
 
 clean:
 	rm -rf $(VENV) build *.egg-info services/*.egg-info

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules. Do not edit: change `proto/` and run `make proto`."""

@@ -1,0 +1,68 @@
+"""Block keys: a SHA-256 digest of a full block's identity, chained through its prefix.
+
+digest = SHA-256(parent digest | token ids | LoRA id | multimodal (hash, offset) pairs overlapping
+the block | cache salt on the first block). The encoding is length-prefixed and little-endian, so a
+digest is stable across processes and machines. Two requests that differ in LoRA id, image content or
+salt never share a block, even with identical tokens.
+"""
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from pdserve.common.ids import BlockHash
+from pdserve.common.request import MultimodalSpan
+
+HASH_ALGORITHM = "sha256-v1"
+_NO_PARENT = b""
+
+
+def hash_block_tokens(
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    lora_id: int | None = None,
+    multimodal: Sequence[tuple[bytes, int]] = (),
+    cache_salt: str | None = None,
+) -> BlockHash:
+    """Digest of one block. `multimodal` pairs hold offsets relative to the block's first token."""
+    h = hashlib.sha256()
+    _put(h, parent if parent is not None else _NO_PARENT)
+    _put(h, struct.pack(f"<{len(token_ids)}I", *token_ids))
+    _put(h, b"" if lora_id is None else struct.pack("<q", lora_id))
+    _put(h, b"".join(_pack_mm(content, offset) for content, offset in multimodal))
+    _put(h, b"" if cache_salt is None else cache_salt.encode("utf-8"))
+    return BlockHash(h.digest())
+
+
+def hash_request_blocks(
+    token_ids: Sequence[int],
+    tokens_per_block: int,
+    lora_id: int | None = None,
+    multimodal: Sequence[MultimodalSpan] = (),
+    cache_salt: str | None = None,
+    start_block: int = 0,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Digests of the full blocks from `start_block` on; `parent` is block `start_block - 1`'s digest."""
+    hashes: list[BlockHash] = []
+    for i in range(start_block, len(token_ids) // tokens_per_block):
+        begin = i * tokens_per_block
+        end = begin + tokens_per_block
+        pairs = [(m.content_hash, m.offset - begin) for m in multimodal if m.offset < end and m.offset + m.length > begin]
+        salt = cache_salt if i == 0 else None
+        parent = hash_block_tokens(parent, token_ids[begin:end], lora_id, pairs, salt)
+        hashes.append(parent)
+    return hashes
+
+
+def short_hash(block_hash: BlockHash) -> int:
+    """A 64-bit name for a block in events and logs (the digest's first 8 bytes)."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+def _put(h: "hashlib._Hash", data: bytes) -> None:
+    h.update(struct.pack("<I", len(data)))
+    h.update(data)
+
+
+def _pack_mm(content_hash: bytes, offset: int) -> bytes:
+    return struct.pack("<I", len(content_hash)) + content_hash + struct.pack("<q", offset)

@@ -1,0 +1,317 @@
+"""`KvCacheManager`: one per worker; decides which physical blocks each sequence uses.
+
+A sequence's blocks, by token position:
+
+    # | matched from the prefix cache | computed by this worker | reserved, KV not yet written |
+
+Blocks become reusable (published under their block key) only once full and computed: a block
+published before its KV is written would poison the cache. A request's published blocks always
+have their cached ancestors among its own blocks, so every cached-free block is evictable in turn.
+"""
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.common.errors import (DuplicateRequestError, InvalidRequestError, OutOfBlocksError,
+                                   UnknownRequestError)
+from pdserve.common.ids import BlockHash, BlockId, RequestId
+from pdserve.common.request import DEFAULT_RETENTION_PRIORITY
+from pdserve.kvcache.block import KvBlock, Tier
+from pdserve.kvcache.block_key import hash_request_blocks
+from pdserve.kvcache.config import KvCacheConfig
+from pdserve.kvcache.events import EventBuffer, KvEvent
+from pdserve.kvcache.integrity import IntegrityError, check_pool_integrity
+from pdserve.kvcache.pool import BlockPool
+from pdserve.kvcache.request import CacheRequest
+
+__all__ = ["ClaimResult", "IntegrityError", "KvCacheManager", "PrefixAnalysis"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixAnalysis:
+    """Everything the scheduler needs about one pending request, from one walk of the cache."""
+
+    num_cached_blocks: int
+    num_cached_tokens: int
+    num_cached_by_tier: tuple[int, ...]  # indexed by Tier
+    num_new_blocks: int  # blocks the claim must still allocate
+    num_available_blocks: int  # free or evictable, not counting this request's matches
+    fits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    request_id: RequestId
+    block_ids: tuple[BlockId, ...]
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request: CacheRequest
+    token_ids: list[int]
+    blocks: list[KvBlock]
+    hashes: list[BlockHash]  # digests of the full blocks known so far
+    num_computed_tokens: int
+    num_published: int = 0  # blocks [0, num_published) are settled in the cache (or never will be)
+
+
+class KvCacheManager:
+    """Paged KV bookkeeping: prefix matching, the two-phase claim, growth, publishing, eviction."""
+
+    def __init__(self, config: KvCacheConfig, num_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if num_blocks < 1:
+            raise InvalidRequestError(f"num_blocks={num_blocks}: need at least one block", "num_blocks")
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.events = EventBuffer(config.event_buffer_max_size)
+        self.pool = BlockPool(num_blocks, self.events, config.eviction_policy == "priority", clock)
+        self._clock = clock
+        self._seqs: dict[RequestId, _Sequence] = {}
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take now (free plus cached-free)."""
+        return self.pool.num_available
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_available
+
+    def has_request(self, request_id: RequestId) -> bool:
+        return request_id in self._seqs
+
+    def block_ids(self, request_id: RequestId) -> list[BlockId]:
+        return [b.block_id for b in self._get(request_id).blocks]
+
+    def num_computed_tokens(self, request_id: RequestId) -> int:
+        return self._get(request_id).num_computed_tokens
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every block key in the cache (a snapshot for a consumer that lost events)."""
+        return list(self.pool.cached)
+
+    def drain_events(self) -> list[KvEvent]:
+        return self.events.drain()
+
+    def analyze_prefix_reuse(self, request: CacheRequest) -> PrefixAnalysis:
+        """One walk over the request's block keys: what is cached, what must be allocated, whether it fits."""
+        request.validate()
+        matched = self._match(request)
+        num_revived = sum(1 for b in matched if b.ref_count == 0)
+        available = self.pool.num_available - num_revived
+        by_tier = [0] * len(Tier)
+        for block in matched:
+            by_tier[block.tier] += 1
+        num_new = self._num_claim_blocks(request) - len(matched)
+        return PrefixAnalysis(
+            num_cached_blocks=len(matched),
+            num_cached_tokens=len(matched) * self.tokens_per_block,
+            num_cached_by_tier=tuple(by_tier),
+            num_new_blocks=num_new,
+            num_available_blocks=available,
+            fits=num_new <= available,
+        )
+
+    # ---- the two-phase claim -------------------------------------------------------------------
+
+    def add_sequence(self, request: CacheRequest) -> ClaimResult:
+        return self.add_sequence_batch([request])[0]
+
+    def add_sequence_batch(self, requests: Sequence[CacheRequest]) -> list[ClaimResult]:
+        """Admit a whole batch, or none of it (OutOfBlocksError, nothing changed).
+
+        Phase 1 matches and locks every reusable block of every request; phase 2 allocates the rest.
+        Allocation for one request therefore never evicts a block another request of the batch matched.
+        """
+        self._check_new(requests)
+        matches = [self._match(r) for r in requests]
+        locked = [(b, b.last_used) for m in matches for b in m]
+        for block, _ in locked:
+            self.pool.ref(block)
+        needed = sum(self._num_claim_blocks(r) - len(m) for r, m in zip(requests, matches))
+        if needed > self.pool.num_available:
+            available = self.pool.num_available
+            for block, last_used in reversed(locked):
+                self.pool.unref(block, last_used)
+            raise OutOfBlocksError(needed, available)
+        return [self._admit(r, m) for r, m in zip(requests, matches)]
+
+    def _admit(self, request: CacheRequest, matched: list[KvBlock]) -> ClaimResult:
+        new_blocks = self.pool.allocate(self._num_claim_blocks(request) - len(matched))
+        for i, block in enumerate(matched):
+            explicit = request.block_priority(i * self.tokens_per_block, (i + 1) * self.tokens_per_block)
+            if explicit is not None:
+                self.pool.set_priority(block, explicit[0], self._expiry(explicit[1]))
+        num_cached = len(matched) * self.tokens_per_block
+        seq = _Sequence(request, list(request.token_ids), matched + new_blocks,
+                        list(request.block_hashes(self.tokens_per_block)), num_cached, len(matched))
+        self._seqs[request.request_id] = seq
+        self.num_query_tokens += len(request.token_ids)
+        self.num_hit_tokens += num_cached
+        return ClaimResult(request.request_id, tuple(b.block_id for b in seq.blocks), num_cached)
+
+    # ---- growth and publishing -----------------------------------------------------------------
+
+    def allocate_slots(self, request_id: RequestId, num_new_tokens: int) -> list[BlockId]:
+        """Make room for `num_new_tokens` past the computed ones; returns the blocks added.
+
+        All or nothing: OutOfBlocksError leaves the sequence and the pool unchanged.
+        """
+        seq = self._get(request_id)
+        if num_new_tokens < 0:
+            raise InvalidRequestError(f"num_new_tokens={num_new_tokens}: must be >= 0", "num_new_tokens")
+        needed = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.tokens_per_block) - len(seq.blocks)
+        if needed <= 0:
+            return []
+        blocks = self.pool.allocate(needed)
+        seq.blocks.extend(blocks)
+        return [b.block_id for b in blocks]
+
+    def append_tokens(self, request_id: RequestId, token_ids: Sequence[int]) -> None:
+        """Record generated tokens (their KV is written later, then `mark_computed`)."""
+        self._get(request_id).token_ids.extend(token_ids)
+
+    def mark_computed(self, request_id: RequestId, num_tokens: int) -> None:
+        """KV for the next `num_tokens` tokens is written; full blocks become reusable now."""
+        seq = self._get(request_id)
+        total = seq.num_computed_tokens + num_tokens
+        limit = min(len(seq.token_ids), len(seq.blocks) * self.tokens_per_block)
+        if num_tokens < 0 or total > limit:
+            raise InvalidRequestError(
+                f"mark_computed({request_id!r}, {num_tokens}): {seq.num_computed_tokens} computed, limit {limit}",
+                "num_tokens",
+            )
+        seq.num_computed_tokens = total
+        self._publish_full_blocks(seq)
+
+    def free(self, request_id: RequestId) -> None:
+        """Release the sequence's blocks, tail first (so a prefix's tail is evicted before its head)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            raise UnknownRequestError(f"free: unknown request {request_id!r}")
+        for block in reversed(seq.blocks):
+            self.pool.unref(block)
+
+    def fork(self, request_id: RequestId, new_request_id: RequestId) -> tuple[ClaimResult, tuple[BlockId, BlockId] | None]:
+        """A new sequence sharing `request_id`'s computed full blocks (for `n` > 1 completions).
+
+        A partially filled last block cannot be shared: the child gets a fresh block and the returned
+        (source, destination) pair tells the engine which block's KV to copy.
+        """
+        parent = self._get(request_id)
+        if new_request_id in self._seqs:
+            raise DuplicateRequestError(f"fork: request {new_request_id!r} already held")
+        num_full, partial = divmod(parent.num_computed_tokens, self.tokens_per_block)
+        copy_block = self.pool.allocate(1)[0] if partial else None
+        shared = parent.blocks[:num_full]
+        for block in shared:
+            self.pool.ref(block)
+        blocks = shared + ([copy_block] if copy_block else [])
+        request = CacheRequest(new_request_id, parent.request.token_ids, parent.request.lora_id,
+                               parent.request.cache_salt, parent.request.multimodal, parent.request.priorities,
+                               parent.request.decode_priority, parent.request.decode_duration_s)
+        seq = _Sequence(request, parent.token_ids[: parent.num_computed_tokens], blocks,
+                        list(parent.hashes), parent.num_computed_tokens, min(parent.num_published, num_full))
+        self._seqs[new_request_id] = seq
+        copy = (parent.blocks[num_full].block_id, copy_block.block_id) if copy_block else None
+        return ClaimResult(new_request_id, tuple(b.block_id for b in blocks), 0), copy
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached-free block. Refused (False) while any block is in use."""
+        if self.num_used_blocks:
+            return False
+        self.pool.clear_cached_free()
+        self.events.cleared()
+        return True
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless free + cached-free + in-use == total and ownership is consistent."""
+        check_pool_integrity(self.pool, [s.blocks for s in self._seqs.values()])
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _get(self, request_id: RequestId) -> _Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        return seq
+
+    def _check_new(self, requests: Sequence[CacheRequest]) -> None:
+        seen: set[RequestId] = set()
+        for request in requests:
+            request.validate()
+            if request.request_id in self._seqs or request.request_id in seen:
+                raise DuplicateRequestError(f"request {request.request_id!r} is already held")
+            seen.add(request.request_id)
+
+    def _match(self, request: CacheRequest) -> list[KvBlock]:
+        """Cached blocks of the longest reusable prefix; the last prompt token is always left to compute."""
+        if not self.config.enable_block_reuse:
+            return []
+        max_blocks = (len(request.token_ids) - 1) // self.tokens_per_block
+        matched = []
+        for block_hash in request.block_hashes(self.tokens_per_block)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    def _num_claim_blocks(self, request: CacheRequest) -> int:
+        num_tokens = request.num_claim_tokens or len(request.token_ids)
+        return math.ceil(num_tokens / self.tokens_per_block)
+
+    def _expiry(self, duration_s: float | None) -> float | None:
+        return None if duration_s is None else self._clock() + duration_s
+
+    def _publish_full_blocks(self, seq: _Sequence) -> None:
+        num_full = seq.num_computed_tokens // self.tokens_per_block
+        if not self.config.enable_block_reuse:
+            seq.num_published = max(seq.num_published, num_full)
+            return
+        self._extend_hashes(seq, num_full)
+        for i in range(seq.num_published, num_full):
+            self._publish_block(seq, i)
+        seq.num_published = max(seq.num_published, num_full)
+
+    def _publish_block(self, seq: _Sequence, i: int) -> None:
+        block = seq.blocks[i]
+        if block.block_hash is not None:
+            return
+        existing = self.pool.lookup(seq.hashes[i])
+        if existing is not None:  # same content already cached: share it, free our copy
+            self.pool.ref(existing)
+            seq.blocks[i] = existing
+            self.pool.unref(block)
+            return
+        parent = seq.blocks[i - 1] if i > 0 else None  # cached: blocks are published in order
+        priority, expires_at = self._block_priority(seq, i)
+        self.pool.publish(block, seq.hashes[i], parent, priority, expires_at, seq.request.lora_id)
+
+    def _block_priority(self, seq: _Sequence, i: int) -> tuple[int, float | None]:
+        begin = i * self.tokens_per_block
+        request = seq.request
+        if begin < len(request.token_ids):
+            explicit = request.block_priority(begin, begin + self.tokens_per_block)
+            if explicit is not None:
+                return explicit[0], self._expiry(explicit[1])
+            return DEFAULT_RETENTION_PRIORITY, None
+        return request.decode_priority, self._expiry(request.decode_duration_s)
+
+    def _extend_hashes(self, seq: _Sequence, num_full: int) -> None:
+        if len(seq.hashes) >= num_full:
+            return
+        r = seq.request
+        parent = seq.hashes[-1] if seq.hashes else None
+        seq.hashes += hash_request_blocks(seq.token_ids[: num_full * self.tokens_per_block], self.tokens_per_block,
+                                          r.lora_id, r.multimodal, r.cache_salt, len(seq.hashes), parent)

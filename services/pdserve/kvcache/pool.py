@@ -1,0 +1,131 @@
+"""`BlockPool`: the physical blocks, the free list, the prefix-cache map and eviction.
+
+The pool owns block state transitions; the manager decides which blocks a sequence gets.
+"""
+import time
+from collections import deque
+from collections.abc import Callable
+
+from pdserve.common.errors import OutOfBlocksError
+from pdserve.common.ids import BlockHash, BlockId
+from pdserve.kvcache.block import KvBlock, Tier
+from pdserve.kvcache.events import EventBuffer
+from pdserve.kvcache.eviction import EvictionQueue
+
+
+class BlockPool:
+    """Blocks move free → in use → (published) cached-free → evicted → in use, never two places at once."""
+
+    def __init__(self, num_blocks: int, events: EventBuffer, use_priority: bool, clock: Callable[[], float] = time.monotonic) -> None:
+        self.blocks = [KvBlock(BlockId(i)) for i in range(num_blocks)]
+        self.free_list: deque[KvBlock] = deque(self.blocks)
+        self.cached: dict[BlockHash, KvBlock] = {}
+        self.num_cached_free = 0
+        self.events = events
+        self.clock = clock
+        self.queue = EvictionQueue(use_priority, self._emit_updated, num_blocks)
+        self._tick = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take: free ones plus every cached-free one (all evictable in turn)."""
+        return len(self.free_list) + self.num_cached_free
+
+    def lookup(self, block_hash: BlockHash) -> KvBlock | None:
+        return self.cached.get(block_hash)
+
+    def ref(self, block: KvBlock) -> None:
+        """Take one more owner; a cached-free block is revived (no longer evictable)."""
+        if block.ref_count == 0:
+            self.num_cached_free -= 1
+            self.queue.invalidate(block)
+        block.ref_count += 1
+
+    def unref(self, block: KvBlock, last_used: int | None = None) -> None:
+        """Drop one owner; at zero a cached block stays cached (evictable when a leaf), others go free.
+
+        `last_used` restores an earlier LRU position (rolling back a claim) instead of taking a new tick.
+        """
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            return
+        if block.block_hash is None:
+            self.free_list.append(block)
+            return
+        if last_used is None:
+            self._tick += 1
+            last_used = self._tick
+        block.last_used = last_used
+        self.num_cached_free += 1
+        if block.num_children == 0:
+            self.queue.push(block)
+            self.queue.compact()
+
+    def allocate(self, num: int) -> list[KvBlock]:
+        """`num` blocks with one owner each, evicting cached-free leaves as needed; all or nothing."""
+        if num > self.num_available:
+            raise OutOfBlocksError(num, self.num_available)
+        taken = []
+        for _ in range(num):
+            block = self.free_list.popleft() if self.free_list else self._evict_one()
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def publish(self, block: KvBlock, block_hash: BlockHash, parent: KvBlock | None, priority: int, expires_at: float | None, lora_id: int | None) -> None:
+        """Make an in-use block findable by `block_hash` (its KV must already be written)."""
+        block.block_hash = block_hash
+        block.parent = parent
+        block.priority = priority
+        block.priority_expires_at = expires_at
+        block.tier = Tier.DEVICE
+        if parent is not None:
+            parent.num_children += 1
+        self.cached[block_hash] = block
+        self.queue.watch_expiry(block)
+        self.events.stored([block_hash], parent.block_hash if parent else None, block.tier, priority, lora_id)
+
+    def set_priority(self, block: KvBlock, priority: int, expires_at: float | None) -> None:
+        if (block.priority, block.priority_expires_at) == (priority, expires_at):
+            return
+        block.priority = priority
+        block.priority_expires_at = expires_at
+        self.queue.watch_expiry(block)
+        self._emit_updated(block)
+        if block.is_evictable:
+            self.queue.push(block)
+
+    def clear_cached_free(self) -> None:
+        """Evict every cached-free block (prefix-cache reset); in-use blocks are untouched."""
+        while self.num_cached_free:
+            self.free_list.append(self._evict_one())
+
+    def _evict_one(self) -> KvBlock:
+        self.queue.expire(self.clock())
+        block = self.queue.pop()
+        if block is None:  # unreachable while the integrity invariants hold
+            raise OutOfBlocksError(1, 0)
+        self._uncache(block)
+        self.num_cached_free -= 1
+        return block
+
+    def _uncache(self, block: KvBlock) -> None:
+        assert block.block_hash is not None
+        del self.cached[block.block_hash]
+        self.events.removed([block.block_hash], block.tier)
+        parent = block.parent
+        block.block_hash = None
+        block.parent = None
+        block.priority_expires_at = None
+        if parent is not None:
+            parent.num_children -= 1
+            if parent.is_evictable:
+                self.queue.push(parent)
+
+    def _emit_updated(self, block: KvBlock) -> None:
+        if block.block_hash is not None:
+            self.events.updated(block.block_hash, block.tier, block.priority)

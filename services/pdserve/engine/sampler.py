@@ -1,0 +1,148 @@
+"""Next-token choice for one step's batch of logits rows.
+
+Greedy rows (temperature 0) take the argmax. Other rows are scaled by temperature,
+filtered by top-k then top-p (on the renormalised top-k mass), and sampled by the
+exponential race: argmax(p / q) with q ~ Exp(1) per token, which picks token i with
+probability p_i. A seeded sequence draws its q from its own generator, exactly one
+(vocab,) vector per sampled step, so its tokens depend only on its seed and its own
+logits, never on which other rows share the batch. Unseeded rows share the sampler's
+generator.
+
+Logprobs, when asked for, are of the model's own distribution (log_softmax of the raw
+logits, before temperature and filters), as vLLM and OpenAI report them.
+"""
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.request import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """One logits row's parameters and, for a seeded sequence, its random stream."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # from make_generator(seed, index); None: shared
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None  # set when the row's params.logprobs is not None
+
+
+def make_generator(seed: int, index: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+    """The random stream of completion `index` of a request with `seed` (distinct per index)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return generator
+
+
+class Sampler:
+    """Turns logits rows into tokens. Owns only the stream used by unseeded rows."""
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self._generator = torch.Generator(device=device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """One token per row of `logits` (B, vocab). Raises InvalidRequestError for bad params
+        before drawing anything."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        for row in rows:
+            check_sampling_params(row.params)
+        logits = logits.float()
+        token_ids = logits.argmax(dim=-1)  # (B,)
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            token_ids[index] = self._sample_rows(logits[index], [rows[i] for i in sampled])
+        chosen = token_ids.tolist()
+        logprobs = _logprobs(logits, chosen, [row.params.logprobs for row in rows])
+        return [SampledToken(t, lp) for t, lp in zip(chosen, logprobs)]
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """(S, vocab) logits of non-greedy rows → (S,) sampled token ids."""
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        logits = logits / temperature[:, None]  # (S, V)
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _filter_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)  # (S, V)
+        return (probs / self._exponentials(rows, probs.shape[1], device)).argmax(dim=-1)
+
+    def _exponentials(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
+        """(S, vocab) Exp(1) draws: seeded rows from their own stream, the rest from ours."""
+        noise = torch.empty((len(rows), vocab), device=device)  # (S, V)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            draws = torch.empty((len(shared), vocab), device=device).exponential_(generator=self._generator)
+            noise[torch.tensor(shared, device=device)] = draws
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator)
+        return noise
+
+
+def check_sampling_params(params: SamplingParams) -> None:
+    """InvalidRequestError naming the first parameter the sampler cannot honour."""
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise InvalidRequestError(f"temperature={params.temperature!r} must be finite and >= 0", "temperature")
+    if not 0.0 < params.top_p <= 1.0:
+        raise InvalidRequestError(f"top_p={params.top_p!r} must be in (0, 1]", "top_p")
+    if params.top_k < 0:
+        raise InvalidRequestError(f"top_k={params.top_k!r} must be >= 0 (0 disables it)", "top_k")
+    if params.logprobs is not None and params.logprobs < 0:
+        raise InvalidRequestError(f"logprobs={params.logprobs!r} must be >= 0", "logprobs")
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k, then outside its top-p nucleus.
+
+    The nucleus is the smallest best-first set whose (top-k renormalised) mass reaches
+    top_p; the best token always stays. Ties keep the lower token id first, as argmax does.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (S, V)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device)  # (S,)
+    remove = torch.arange(vocab, device=device)[None, :] >= k[:, None]  # (S, V)
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)  # (S, V)
+    mass_before = probs.cumsum(dim=-1) - probs  # (S, V)
+    # top_p == 1 filters nothing, not even tokens after float cumsum rounding reaches 1.
+    p = torch.tensor([pp if pp < 1.0 else math.inf for pp in top_p], device=device)  # (S,)
+    remove |= mass_before >= p[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _logprobs(logits: torch.Tensor, chosen: list[int], wanted: list[int | None]) -> list[TokenLogprob | None]:
+    """Per row: the chosen token's logprob and the row's top-N, or None where not wanted."""
+    rows = [i for i, n in enumerate(wanted) if n is not None]
+    result: list[TokenLogprob | None] = [None] * len(wanted)
+    if not rows:
+        return result
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits[index].log_softmax(dim=-1)  # (L, V)
+    chosen_ids = torch.tensor([chosen[i] for i in rows], device=logits.device)
+    chosen_lp = logprobs.gather(1, chosen_ids[:, None])[:, 0].tolist()  # (L,)
+    top_n = max(wanted[i] for i in rows)
+    top_lp, top_ids = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1)  # (L, N)
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = wanted[i]
+        top = tuple(zip(top_ids[j][:n], top_lp[j][:n]))
+        result[i] = TokenLogprob(chosen[i], chosen_lp[j], top)
+    return result

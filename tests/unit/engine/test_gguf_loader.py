@@ -1,0 +1,149 @@
+"""load_gguf on small GGUF files written here: names, Q/K un-permutation, dequantization, errors."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pdserve.common.errors import ConfigError
+from pdserve.engine.gguf_loader import hf_tensor_name, load_gguf, load_gguf_config, unpermute_rope_rows
+
+HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, VOCAB, FFN = 64, 4, 2, 16, 2, 32, 96
+LAYER_PARTS = {  # HF suffix -> (gguf part, shape)
+    "self_attn.q_proj": ("attn_q", (NUM_HEADS * HEAD_DIM, HIDDEN)),
+    "self_attn.k_proj": ("attn_k", (NUM_KV_HEADS * HEAD_DIM, HIDDEN)),
+    "self_attn.v_proj": ("attn_v", (NUM_KV_HEADS * HEAD_DIM, HIDDEN)),
+    "self_attn.o_proj": ("attn_output", (HIDDEN, NUM_HEADS * HEAD_DIM)),
+    "mlp.gate_proj": ("ffn_gate", (FFN, HIDDEN)),
+    "mlp.up_proj": ("ffn_up", (FFN, HIDDEN)),
+    "mlp.down_proj": ("ffn_down", (HIDDEN, FFN)),
+    "input_layernorm": ("attn_norm", (HIDDEN,)),
+    "post_attention_layernorm": ("ffn_norm", (HIDDEN,)),
+}
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's HF→GGUF converter does to Q/K rows (so the test checks the inverse)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def make_hf_weights(untied: bool) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    weights = {"model.embed_tokens.weight": rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32),
+               "model.norm.weight": rng.standard_normal(HIDDEN, dtype=np.float32)}
+    if untied:
+        weights["lm_head.weight"] = rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32)
+    for layer in range(NUM_LAYERS):
+        for suffix, (_, shape) in LAYER_PARTS.items():
+            weights[f"model.layers.{layer}.{suffix}.weight"] = rng.standard_normal(shape, dtype=np.float32)
+    return weights
+
+
+def gguf_name(hf_name: str) -> str:
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+    if hf_name in globals_:
+        return globals_[hf_name]
+    _, _, layer, *rest = hf_name.split(".")
+    return f"blk.{layer}.{LAYER_PARTS['.'.join(rest[:-1])][0]}.weight"
+
+
+def write_gguf(path, weights, arch="llama", quantize=(), extra=()) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in [("block_count", NUM_LAYERS), ("context_length", 256), ("embedding_length", HIDDEN),
+                       ("feed_forward_length", FFN), ("attention.head_count", NUM_HEADS),
+                       ("attention.head_count_kv", NUM_KV_HEADS), ("rope.dimension_count", HEAD_DIM)]:
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", 50000.0)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_uint32(f"{arch}.vocab_size", VOCAB)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    for hf_name, array in weights.items():
+        if hf_name.endswith("q_proj.weight"):
+            array = llama_cpp_permute(array, NUM_HEADS)
+        elif hf_name.endswith("k_proj.weight"):
+            array = llama_cpp_permute(array, NUM_KV_HEADS)
+        if hf_name in quantize:
+            writer.add_tensor(gguf_name(hf_name), gguf.quants.quantize(array, quantize[hf_name]),
+                              raw_dtype=quantize[hf_name])
+        else:
+            writer.add_tensor(gguf_name(hf_name), array)
+    for name, array in extra:
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_f32_tensors_come_back_with_hf_names_and_hf_row_order(tmp_path):
+    weights = make_hf_weights(untied=False)
+    write_gguf(tmp_path / "m.gguf", weights)
+    config, tensors = load_gguf(str(tmp_path / "m.gguf"))
+    assert sorted(tensors) == sorted(weights)
+    for name, array in weights.items():
+        assert torch.equal(tensors[name], torch.from_numpy(array)), name
+    assert config == {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+        "rms_norm_eps": pytest.approx(1e-5), "rope_theta": 50000.0, "max_position_embeddings": 256,
+        "vocab_size": VOCAB, "tie_word_embeddings": True, "attention_bias": False,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+def test_untied_output_becomes_lm_head(tmp_path):
+    weights = make_hf_weights(untied=True)
+    write_gguf(tmp_path / "m.gguf", weights)
+    config, tensors = load_gguf(str(tmp_path / "m.gguf"))
+    assert config["tie_word_embeddings"] is False
+    assert torch.equal(tensors["lm_head.weight"], torch.from_numpy(weights["lm_head.weight"]))
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1])
+def test_quantized_tensors_are_dequantized_then_cast(tmp_path, qtype):
+    weights = make_hf_weights(untied=False)
+    quantized = ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+    write_gguf(tmp_path / "m.gguf", weights, quantize={name: qtype for name in quantized})
+    _, tensors = load_gguf(str(tmp_path / "m.gguf"), dtype=torch.bfloat16)
+    for name in quantized:
+        reference = gguf.quants.dequantize(gguf.quants.quantize(weights[name], qtype), qtype)
+        assert tensors[name].dtype == torch.bfloat16
+        assert torch.equal(tensors[name], torch.from_numpy(reference).to(torch.bfloat16)), name
+        assert not torch.equal(tensors[name].float(), torch.from_numpy(weights[name]))  # really quantized
+
+
+def test_unpermute_inverts_llama_cpp_permute_for_every_head_count():
+    weight = np.arange(8 * HEAD_DIM * 3, dtype=np.float32).reshape(8 * HEAD_DIM, 3)
+    for num_heads in (1, 2, 8):
+        permuted = torch.from_numpy(llama_cpp_permute(weight, num_heads))
+        assert torch.equal(unpermute_rope_rows(permuted, num_heads), torch.from_numpy(weight))
+
+
+def test_other_architectures_raise_config_error_naming_it(tmp_path):
+    write_gguf(tmp_path / "m.gguf", make_hf_weights(untied=False), arch="qwen2")
+    with pytest.raises(ConfigError) as err:
+        load_gguf(str(tmp_path / "m.gguf"))
+    assert (err.value.field, err.value.value) == ("general.architecture", "qwen2")
+    with pytest.raises(ConfigError):
+        load_gguf_config(str(tmp_path / "m.gguf"))
+
+
+def test_unknown_tensor_raises_config_error_naming_it(tmp_path):
+    extra = [("rope_freqs.weight", np.ones(HEAD_DIM // 2, dtype=np.float32))]
+    write_gguf(tmp_path / "m.gguf", make_hf_weights(untied=False), extra=extra)
+    with pytest.raises(ConfigError) as err:
+        load_gguf(str(tmp_path / "m.gguf"))
+    assert (err.value.field, err.value.value) == ("tensor", "rope_freqs.weight")
+
+
+def test_hf_tensor_names():
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
+    assert hf_tensor_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert hf_tensor_name("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
+    with pytest.raises(ConfigError):
+        hf_tensor_name("blk.0.attn_qkv.weight")

@@ -1,0 +1,174 @@
+"""`ThreadedEngine`: the `AsyncEngine` a worker serves, driving `LLMEngine` from its own thread.
+
+The step loop runs in one dedicated thread (torch releases the GIL in its kernels, so the
+gRPC event loop stays responsive). Requests and aborts reach it through an inbox; outputs go
+back to each request's asyncio queue with `call_soon_threadsafe`. The loop also wakes when idle
+(`idle_wait_s`), so periodic duties run every step even when no work arrives.
+"""
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pdserve.common.errors import WorkerTimeoutError
+from pdserve.common.ids import RequestId
+from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    num_completions: int
+    num_finished: int = 0
+
+
+class ThreadedEngine:
+    """Implements `worker.engine_api.AsyncEngine` over a synchronous `LLMEngine`."""
+
+    def __init__(self, engine: LLMEngine, info: ModelInfo, idle_wait_s: float = 0.02,
+                 admit_timeout_s: float = 60.0, on_idle: Callable[[], None] | None = None) -> None:
+        self._engine = engine
+        self._info = info
+        self._idle_wait_s = idle_wait_s
+        self._admit_timeout_s = admit_timeout_s
+        self._on_idle = on_idle or (lambda: None)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[RequestId, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._stats = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self._engine
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        admitted = loop.create_future()
+        stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
+        self._send(("add", request, stream, admitted))
+        try:
+            await asyncio.wait_for(admitted, self._admit_timeout_s)
+        except asyncio.TimeoutError:
+            await self.abort(request.request_id)
+            raise WorkerTimeoutError(f"request {request.request_id!r} not admitted within {self._admit_timeout_s}s")
+        finished: set[int] = set()
+        try:
+            while len(finished) < request.sampling.n:
+                output = await stream.outputs.get()
+                if output.is_finished:
+                    finished.add(output.index)
+                yield output
+        finally:
+            if len(finished) < request.sampling.n:
+                await self.abort(request.request_id)
+
+    async def abort(self, request_id: RequestId) -> None:
+        self._send(("abort", request_id))
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if self._engine.has_work:
+                self._step()
+            else:
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+            self._on_idle()
+            self._stats = self._snapshot()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._add(*command[1:])
+            else:
+                self._deliver(self._engine.abort(command[1]))
+                self._streams.pop(command[1], None)
+
+    def _add(self, request: GenerationRequest, stream: _Stream, admitted: asyncio.Future) -> None:
+        try:
+            self._engine.add_request(request)
+        except Exception as exc:  # a typed error for the caller, raised in its own loop
+            stream.loop.call_soon_threadsafe(_set_exception, admitted, exc)
+            return
+        self._streams[request.request_id] = stream
+        stream.loop.call_soon_threadsafe(_set_result, admitted)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:  # a failed step fails its requests, never the worker
+            log.exception("engine step failed")
+            outputs = self._fail_all(f"engine step failed: {exc}")
+        self._deliver(outputs)
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        failed = []
+        for request_id in list(self._streams):
+            for out in self._engine.abort(request_id):
+                failed.append(RequestOutput(out.request_id, out.index, (), "", (), "error",
+                                            out.num_prompt_tokens, out.num_cached_tokens, message))
+        return failed
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+            stream.num_finished += output.is_finished
+            if stream.num_finished >= stream.num_completions:
+                del self._streams[output.request_id]
+
+    def _snapshot(self) -> EngineStats:
+        kv = self._engine.kv
+        scheduler = self._engine.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks, num_used_blocks=kv.num_used_blocks,
+            num_prefill_tokens_queued=scheduler.num_prefill_tokens_queued,
+            prefix_cache_queried_tokens=kv.num_query_tokens, prefix_cache_hit_tokens=kv.num_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+
+def _set_result(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,131 @@
+"""The engine's step loop and scheduler over a token-store model stand-in (exact outputs)."""
+import pytest
+
+from pdserve.common.errors import DuplicateRequestError, InvalidRequestError
+from pdserve.common.ids import RequestId
+from pdserve.common.request import GenerationRequest, SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.kvcache import KvCacheConfig, KvCacheManager
+from tests.unit.engine.token_store_runner import CharTokenizer, TokenStoreRunner, reference
+
+PROMPTS = [[5, 6, 7], list(range(10, 31)), [40] * 9, list(range(50, 67)), [3, 4]]
+
+
+def make_engine(num_blocks=64, tpb=4, budget=256, max_seqs=16, reuse=True, max_len=128):
+    kv = KvCacheManager(KvCacheConfig(tokens_per_block=tpb, enable_block_reuse=reuse), num_blocks)
+    runner = TokenStoreRunner(num_blocks, tpb)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len)
+    return LLMEngine(runner, kv, CharTokenizer(), config)
+
+
+def request(rid, prompt, max_tokens=8, **kw):
+    return GenerationRequest(RequestId(rid), tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
+
+
+def run(engine, requests, max_steps=2000):
+    for r in requests:
+        engine.add_request(r)
+    outputs: dict[tuple, list] = {}
+    reasons = {}
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for out in engine.step():
+            outputs.setdefault((out.request_id, out.index), []).extend(out.token_ids)
+            if out.finish_reason:
+                reasons[(out.request_id, out.index)] = out.finish_reason
+        engine.kv.check_integrity()
+    assert not engine.has_work
+    assert engine.kv.num_used_blocks == 0
+    return outputs, reasons
+
+
+def expected(max_tokens=8):
+    return {(f"r{i}", 0): reference(p, max_tokens) for i, p in enumerate(PROMPTS)}
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"reuse": False}, {"budget": 4}, {"budget": 7}, {"num_blocks": 12}, {"num_blocks": 12, "budget": 5},
+    {"max_seqs": 2},
+])
+def test_outputs_match_reference_under_chunking_preemption_and_caching(kw):
+    engine = make_engine(**kw)
+    outputs, _ = run(engine, [request(f"r{i}", p) for i, p in enumerate(PROMPTS)])
+    assert outputs == expected()
+
+
+def test_tiny_cache_forces_preemption_and_still_completes():
+    engine = make_engine(num_blocks=10, tpb=4)
+    outputs, _ = run(engine, [request(f"r{i}", p, max_tokens=12) for i, p in enumerate(PROMPTS)])
+    assert engine.scheduler.num_preemptions > 0
+    assert outputs == expected(12)
+
+
+def test_second_request_reuses_the_cached_prefix():
+    engine = make_engine()
+    run(engine, [request("a", range(20))])
+    before = engine.runner.num_forward_tokens
+    outputs, _ = run(engine, [request("b", list(range(20)) + [1, 2])])
+    assert engine.runner.num_forward_tokens - before == 2 + 7  # 22 - 20 cached prompt tokens, then 7 decodes
+    assert outputs[("b", 0)] == reference(list(range(20)) + [1, 2], 8)
+    assert engine.kv.num_hit_tokens == 20
+
+
+def test_n_completions_share_the_prompt_blocks():
+    engine = make_engine()
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks and a partial one to copy
+    outputs, reasons = run(engine, [request("r", prompt, n=3)])
+    assert sorted(outputs) == [("r", 0), ("r", 1), ("r", 2)]
+    assert all(v == reference(prompt, 8) for v in outputs.values())  # greedy: identical
+    assert engine.runner.num_forward_tokens == 13 + 3 * 7  # the prompt is computed once
+
+
+def test_stop_token_ids_and_eos_finish_with_stop():
+    engine = make_engine()
+    ref = reference([5, 6, 7], 8, eos=None)
+    outputs, reasons = run(engine, [request("a", [5, 6, 7], stop_token_ids=(ref[2],))])
+    assert outputs[("a", 0)] == ref[:3] and reasons[("a", 0)] == "stop"
+
+
+def test_length_finish_and_usage_counts():
+    engine = make_engine()
+    engine.add_request(request("a", [5, 6, 7], max_tokens=2))
+    outs = []
+    while engine.has_work:
+        outs += engine.step()
+    assert [o.finish_reason for o in outs] == [None, "length"]
+    assert outs[-1].num_prompt_tokens == 3
+
+
+def test_abort_frees_blocks_and_reports_abort():
+    engine = make_engine()
+    engine.add_request(request("a", range(20), max_tokens=50))
+    engine.step()
+    assert engine.kv.num_used_blocks > 0
+    outs = engine.abort(RequestId("a"))
+    assert [o.finish_reason for o in outs] == ["abort"]
+    assert engine.kv.num_used_blocks == 0 and not engine.has_work
+    engine.kv.check_integrity()
+    assert engine.abort(RequestId("a")) == []
+
+
+@pytest.mark.parametrize("bad,param", [
+    (request("x", []), "prompt"),
+    (request("x", [500]), "prompt"),
+    (request("x", [1] * 100, max_tokens=40), "max_tokens"),
+    (request("x", [1], n=99), "n"),
+])
+def test_bad_requests_are_rejected_without_state_change(bad, param):
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(bad)
+    assert info.value.param == param
+    assert not engine.has_work
+
+
+def test_duplicate_request_id_is_rejected():
+    engine = make_engine()
+    engine.add_request(request("a", [1, 2]))
+    with pytest.raises(DuplicateRequestError):
+        engine.add_request(request("a", [1, 2]))

@@ -1,0 +1,132 @@
+"""The router's FastAPI app: OpenAI-compatible routes over one `GenerateBackend`.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics`. Every response carries `X-Request-Id` (the client's, else the response id);
+every error is OpenAI's envelope (see `errors.py`).
+"""
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.router.backend import GenerateBackend
+from pdserve.router.chat import create_chat_completion
+from pdserve.router.completions import create_completion
+from pdserve.router.errors import ApiError, from_exception, install_error_handlers
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prompts import PromptTokenizer
+from pdserve.router.responses import ModelCard, ModelList
+from pdserve.router.serving import ApiLimits, ClientGone, ServingContext, new_response_id
+
+STATS_TIMEOUT_S = 5.0
+MAX_REQUEST_ID_CHARS = 256
+_STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, metrics count it
+_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+_log = logging.getLogger(__name__)
+Handler = Callable[[Request, ServingContext, str], Awaitable[Response]]
+
+
+def create_app(
+    backend: GenerateBackend,
+    tokenizer: PromptTokenizer,
+    info: ModelInfo,
+    model_name: str | None = None,
+    limits: ApiLimits = ApiLimits(),
+) -> FastAPI:
+    """An app serving `info`'s model (under `model_name` if given); it closes `backend` on shutdown."""
+    ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = ctx
+    install_error_handlers(app)
+    app.add_middleware(_CountRequests, metrics=ctx.metrics)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _answer(request, ctx, create_completion, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _answer(request, ctx, create_chat_completion, "chatcmpl")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=ctx.model_name, max_model_len=ctx.info.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await _stats(ctx) is None:
+            return ApiError(503, "the generation service is not answering").to_response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(await _stats(ctx)), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _answer(request: Request, ctx: ServingContext, handler: Handler, id_prefix: str) -> Response:
+    """Run a generation handler; any failure becomes the envelope, with `X-Request-Id` set."""
+    response_id = new_response_id(id_prefix)
+    request_id = request.headers.get("x-request-id") or response_id
+    try:
+        if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+            request_id = response_id
+            raise ApiError(400, f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} printable characters",
+                           "X-Request-Id")
+        response = await handler(request, ctx, response_id)
+    except ClientGone:
+        response = Response(status_code=_STATUS_CLIENT_CLOSED)
+    except Exception as exc:  # every failure answers with the envelope, never a bare 500
+        error = from_exception(exc)
+        if error.status >= 500:
+            _log.warning("%s failed: %s (%s)", response_id, error.message, type(exc).__name__)
+        response = error.to_response()
+    response.headers["X-Request-Id"] = request_id
+    return response
+
+
+async def _stats(ctx: ServingContext) -> EngineStats | None:
+    """The worker's stats, or None when it does not answer within `STATS_TIMEOUT_S`."""
+    try:
+        return await asyncio.wait_for(ctx.backend.stats(), STATS_TIMEOUT_S)
+    except Exception as exc:  # any failure means "no figures"; /health turns it into 503
+        _log.info("stats query failed: %s", type(exc).__name__)
+        return None
+
+
+class _CountRequests:
+    """Counts every response by route (unknown paths as "other") and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in _ROUTES else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self._metrics.count_request(route, message["status"])
+            await send(message)
+
+        await self._app(scope, receive, counting_send)

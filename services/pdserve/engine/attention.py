@@ -1,0 +1,146 @@
+"""Paged attention: write each new token's K/V into its block slot, attend over the context.
+
+`plan_attention` turns a `ForwardBatch` into index tensors once per step; every layer reuses
+them. Chunks of one token (decode) are attended together in one padded batch; longer chunks
+(prefill, chunked prefill, prefill over a cached prefix) are attended one by one.
+
+    # | start_pos tokens already in KV | chunk tokens |   context_len = start_pos + len(chunk)
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.batch import ForwardBatch
+from pdserve.engine.kv_tensor import PagedKvCache
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkAttention:
+    """One multi-token chunk, attended on its own."""
+
+    tokens: slice  # its rows in the flattened batch
+    block_rows: torch.Tensor | None  # (num_blocks,) layer-0 block rows; None: no prefix, use own K/V
+    context_len: int
+    mask: torch.Tensor | None  # (T, context_len) bool, True = attend; None = plain causal
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAttention:
+    """All one-token chunks, padded to the longest context and attended as one batch."""
+
+    token_index: torch.Tensor | None  # (B,) rows in the flattened batch; None: all rows, in order
+    block_rows: torch.Tensor  # (B * max_blocks,) layer-0 block rows; padding points at block 0
+    num_seqs: int
+    mask: torch.Tensor  # (B, 1, 1, max_blocks * tpb) bool, True = attend
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    token_rows: torch.Tensor  # (T,) layer-0 token rows receiving each new token's K/V
+    positions: torch.Tensor  # (T,) absolute position of each new token
+    chunks: tuple[ChunkAttention, ...]
+    decode: DecodeAttention | None
+
+
+def plan_attention(batch: ForwardBatch, kv: PagedKvCache, sliding_window: int | None) -> AttentionPlan:
+    """Index tensors for one step. The batch must already be validated against `kv`."""
+    device = kv.tensor.device
+    tpb, rows_per_block = kv.tokens_per_block, kv.num_layers * 2
+    chunks = batch.chunks
+    lengths = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64)
+    starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
+    width = max(len(c.block_table) for c in chunks)
+    tables = torch.tensor([c.block_table + (0,) * (width - len(c.block_table)) for c in chunks],
+                          dtype=torch.int64)  # (C, width), padded with block 0
+    chunk_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lengths)  # (T,)
+    first_token = torch.cumsum(lengths, 0) - lengths  # (C,)
+    positions = starts[chunk_of_token] + torch.arange(len(chunk_of_token)) - first_token[chunk_of_token]
+    blocks = tables[chunk_of_token, positions // tpb]  # (T,)
+    token_rows = blocks * (rows_per_block * tpb) + positions % tpb
+    block_rows = tables * rows_per_block  # (C, width)
+    multi, single = [], []
+    for i, chunk in enumerate(chunks):
+        (multi if len(chunk.token_ids) > 1 else single).append(i)
+    row_starts = first_token.tolist()
+    plans = tuple(_chunk_plan(chunks[i].start_pos, len(chunks[i].token_ids), row_starts[i],
+                              block_rows[i], tpb, sliding_window, device) for i in multi)
+    decode = _decode_plan(single, starts, block_rows, first_token, len(chunk_of_token), tpb,
+                          sliding_window, device) if single else None
+    return AttentionPlan(token_rows.to(device), positions.to(device), plans, decode)
+
+
+def _chunk_plan(start: int, length: int, first_row: int, block_rows: torch.Tensor, tpb: int,
+                window: int | None, device: torch.device) -> ChunkAttention:
+    context_len = start + length
+    tokens = slice(first_row, first_row + length)
+    if start == 0 and window is None:
+        return ChunkAttention(tokens, None, context_len, None)
+    query_pos = torch.arange(start, context_len).unsqueeze(1)  # (T, 1)
+    key_pos = torch.arange(context_len).unsqueeze(0)  # (1, S)
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    num_blocks = -(-context_len // tpb)
+    rows = None if start == 0 else block_rows[:num_blocks].to(device)
+    return ChunkAttention(tokens, rows, context_len, mask.to(device))
+
+
+def _decode_plan(single: list[int], starts: torch.Tensor, block_rows: torch.Tensor,
+                 first_token: torch.Tensor, num_tokens: int, tpb: int, window: int | None,
+                 device: torch.device) -> DecodeAttention:
+    index = torch.tensor(single, dtype=torch.int64)
+    context_lens = starts[index] + 1  # (B,)
+    max_blocks = -(-int(context_lens.max()) // tpb)
+    rows = block_rows[index, :max_blocks].reshape(-1)  # (B * max_blocks,)
+    key_pos = torch.arange(max_blocks * tpb).unsqueeze(0)  # (1, S)
+    mask = key_pos < context_lens.unsqueeze(1)  # (B, S)
+    if window is not None:
+        mask &= key_pos >= (context_lens - window).unsqueeze(1)
+    token_index = None if len(single) == num_tokens else first_token[index].to(device)
+    return DecodeAttention(token_index, rows.to(device), len(single), mask[:, None, None, :].to(device))
+
+
+def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    plan: AttentionPlan, kv: PagedKvCache) -> torch.Tensor:
+    """q (T, nh, hd), k and v (T, kvh, hd) -> (T, nh * hd); writes k, v into the cache first."""
+    kv.write(layer, k, v, plan.token_rows)
+    num_tokens, num_heads, head_dim = q.shape
+    if plan.decode is not None and plan.decode.token_index is None:
+        return _decode(layer, q, plan.decode, kv)
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    for chunk in plan.chunks:
+        out[chunk.tokens] = _attend_chunk(layer, q[chunk.tokens], k[chunk.tokens], v[chunk.tokens],
+                                          chunk, kv)
+    if plan.decode is not None:
+        decode_q = q.index_select(0, plan.decode.token_index)
+        out.index_copy_(0, plan.decode.token_index, _decode(layer, decode_q, plan.decode, kv))
+    return out
+
+
+def _attend_chunk(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  chunk: ChunkAttention, kv: PagedKvCache) -> torch.Tensor:
+    """q (T, nh, hd) over the chunk's context -> (T, nh * hd)."""
+    if chunk.block_rows is not None:
+        k, v = kv.gather_blocks(layer, chunk.block_rows)  # (blocks * tpb, kvh, hd) each
+        k, v = k[:chunk.context_len], v[:chunk.context_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # (1, nh, T, hd)
+        k.transpose(0, 1).unsqueeze(0),  # (1, kvh, S, hd)
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True,
+    )  # (1, nh, T, hd)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _decode(layer: int, q: torch.Tensor, plan: DecodeAttention, kv: PagedKvCache) -> torch.Tensor:
+    """q (B, nh, hd), one token per sequence -> (B, nh * hd)."""
+    num_seqs, num_heads, head_dim = q.shape
+    k, v = kv.gather_blocks(layer, plan.block_rows)  # (B * S, kvh, hd) each
+    num_kv_heads = k.shape[1]
+    k = k.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, kvh, S, hd)
+    v = v.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # Query heads sharing a KV head become that head's query rows: no K/V repeat needed.
+    grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, kvh, G, hd)
+    out = F.scaled_dot_product_attention(grouped_q, k, v, attn_mask=plan.mask)  # (B, kvh, G, hd)
+    return out.reshape(num_seqs, num_heads * head_dim)

@@ -3,6 +3,7 @@ the same, parsed once into a frozen `BenchConfig`."""
 import argparse
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.bench.arrivals import validate_arrivals
 from pdserve.bench.datasets import (
@@ -156,10 +157,18 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise ConfigError("--request-timeout", args.request_timeout, "must be > 0 seconds")
 
 
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """Fail before the run, not after it, when a result cannot be written."""
+    for flag, path in (("--json", args.json_path), ("--plot", args.plot_path)):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise ConfigError(flag, path, "its directory does not exist")
+
+
 def parse_config(argv: list[str]) -> BenchConfig:
     """Parse the command line. Raises UsageError (argparse) or ConfigError (bad value)."""
     args = build_parser().parse_args(argv)
     _check_counts(args)
+    _check_output_paths(args)
     validate_arrivals(args.request_rate, args.burstiness)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if not base_url.startswith(("http://", "https://")):

@@ -1,21 +1,19 @@
 """`--plot PATH.png`: latency distributions and throughput over time, one figure."""
-import math
-
 from pdserve.bench.metrics import RequestRecord, token_events
 
 NUM_HISTOGRAM_BINS = 30
-MAX_TIME_BUCKETS = 60
+NUM_TIME_BUCKETS = 40
 
 
 def throughput_series(
     records: list[RequestRecord], duration_s: float
 ) -> tuple[list[float], list[float], list[float]]:
-    """(bucket start times, output tokens/s, completed requests/s) over the run.
+    """(NUM_TIME_BUCKETS + 1 bucket edges, output tokens/s, completed requests/s per bucket).
 
-    Buckets are 1 s wide, or wider so that at most MAX_TIME_BUCKETS cover the run.
+    The run is cut into NUM_TIME_BUCKETS equal buckets; rates are per second of bucket.
     """
-    width = max(1.0, math.ceil(duration_s / MAX_TIME_BUCKETS))
-    num_buckets = max(1, math.ceil(duration_s / width))
+    num_buckets = NUM_TIME_BUCKETS
+    width = max(duration_s, 1e-9) / num_buckets
     tokens = [0.0] * num_buckets
     requests = [0.0] * num_buckets
     for when, count in token_events(records):
@@ -24,7 +22,7 @@ def throughput_series(
         if record.is_success:
             bucket = min(int((record.start_time + record.finish_time) // width), num_buckets - 1)
             requests[bucket] += 1 / width
-    return [i * width for i in range(num_buckets)], tokens, requests
+    return [i * width for i in range(num_buckets + 1)], tokens, requests
 
 
 def write_plot(records: list[RequestRecord], duration_s: float, path: str, title: str) -> None:
@@ -47,9 +45,9 @@ def write_plot(records: list[RequestRecord], duration_s: float, path: str, title
         axis.hist(values, bins=NUM_HISTOGRAM_BINS)
         axis.set_xlabel(label)
         axis.set_ylabel("count")
-    times, tokens, requests = throughput_series(records, duration_s)
+    edges, tokens, requests = throughput_series(records, duration_s)
     for axis, series, label in ((axes.flat[4], tokens, "output tok/s"), (axes.flat[5], requests, "completed req/s")):
-        axis.step(times, series, where="post")
+        axis.stairs(series, edges)
         axis.set_xlabel("time since start (s)")
         axis.set_ylabel(label)
     figure.suptitle(title)

@@ -4,17 +4,19 @@ A request with `n` completions becomes `n` sequences; they share the prompt's bl
 (the first is forked after its prefill).
 """
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.common.detokenizer import IncrementalDetokenizer, StopChecker
 from pdserve.common.ids import RequestId
-from pdserve.common.request import GenerationRequest, TokenLogprob
+from pdserve.common.request import GenerationRequest
 from pdserve.kvcache import CacheRequest
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    REMOTE_PREFILL = "remote_prefill"  # blocks reserved; the prompt's KV is arriving from a peer
+    HELD = "held"  # prefill done; blocks kept for a peer to receive
     FINISHED = "finished"
 
 
@@ -32,7 +34,10 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prefill_only: bool = False  # stop after the first token and hold the blocks for a peer
+    hold_lease_s: float = 30.0  # how long HELD blocks wait for the peer
+    lease_deadline: float | None = None  # REMOTE_PREFILL / HELD blocks are freed after this
+    aborted: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

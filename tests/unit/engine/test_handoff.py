@@ -1,0 +1,103 @@
+"""KV handoff between a prefill-only engine and a decode engine (token-store stand-in, copied KV)."""
+from pdserve.common.ids import RequestId
+from tests.unit.engine.test_llm_engine import make_engine, reference, request
+
+
+def _prefill(p_engine, req):
+    p_engine.add_request(req, prefill_only=True, hold_lease_s=5.0)
+    outs = []
+    while p_engine.has_work:
+        outs += p_engine.step()
+    assert len(outs) == 1 and outs[0].finish_reason == "length"
+    return outs[0].token_ids[0]
+
+
+def _copy_kv(src_engine, dst_engine, src_ids, dst_ids):
+    dst_engine.runner.store[list(dst_ids)] = src_engine.runner.store[list(src_ids)]
+
+
+def _decode(d_engine, rid):
+    tokens = []
+    while d_engine.has_work:
+        for out in d_engine.step():
+            tokens += out.token_ids
+    return tokens
+
+
+def test_prefill_then_decode_equals_aggregated():
+    prompt = list(range(10, 31))
+    p, d = make_engine(), make_engine()
+    req = request("r", prompt, max_tokens=8)
+    claim = d.reserve_remote(req, lease_s=5.0)
+    first = _prefill(p, req)
+    src = p.held_block_ids(RequestId("r"))
+    start = claim.num_cached_tokens // 4
+    _copy_kv(p, d, src[start:], claim.block_ids[start:])
+    p.release_held(RequestId("r"))
+    outs = d.complete_remote(RequestId("r"), first)
+    tokens = list(outs[0].token_ids) + _decode(d, "r")
+    assert tokens == reference(prompt, 8)
+    assert p.kv.num_used_blocks == 0 and d.kv.num_used_blocks == 0
+    p.kv.check_integrity()
+    d.kv.check_integrity()
+
+
+def test_only_missing_blocks_move_when_decode_holds_the_prefix():
+    prompt = list(range(10, 31))
+    p, d = make_engine(), make_engine()
+    d.add_request(request("warm", prompt[:17], max_tokens=1))
+    _decode(d, "warm")
+    claim = d.reserve_remote(request("r", prompt), lease_s=5.0)
+    assert claim.num_cached_tokens == 16  # 4 of the prompt's 6 blocks are already on the decode side
+    assert len(claim.block_ids[claim.num_cached_tokens // 4:]) == 2
+
+
+def test_failed_transfer_frees_blocks_and_publishes_nothing():
+    d = make_engine()
+    req = request("r", list(range(10, 31)))
+    d.reserve_remote(req, lease_s=5.0)
+    cached_before = len(d.kv.pool.cached)
+    outs = d.fail_remote(RequestId("r"), recompute=False, reason="peer vanished")
+    assert [o.finish_reason for o in outs] == ["error"] and outs[0].error == "peer vanished"
+    assert d.kv.num_used_blocks == 0 and len(d.kv.pool.cached) == cached_before
+    d.kv.check_integrity()
+
+
+def test_failed_transfer_can_recompute_locally():
+    d = make_engine()
+    prompt = list(range(10, 31))
+    d.reserve_remote(request("r", prompt), lease_s=5.0)
+    assert d.fail_remote(RequestId("r"), recompute=True, reason="x") == []
+    assert _decode(d, "r") == reference(prompt, 8)
+
+
+def test_lease_frees_blocks_of_a_peer_that_never_comes_back():
+    clock = [0.0]
+    p, d = make_engine(), make_engine()
+    p._clock = d._clock = lambda: clock[0]
+    req = request("r", list(range(10, 31)))
+    d.reserve_remote(req, lease_s=2.0)
+    _prefill(p, req)
+    assert p.kv.num_used_blocks > 0 and d.kv.num_used_blocks > 0
+    clock[0] = 10.0
+    assert p.reap_expired_leases() == []
+    outs = d.reap_expired_leases()
+    assert [o.finish_reason for o in outs] == ["error"]
+    assert p.kv.num_used_blocks == 0 and d.kv.num_used_blocks == 0
+    assert (p.num_lease_expiries, d.num_lease_expiries) == (1, 1)
+
+
+def test_abort_while_waiting_for_kv_frees_on_both_sides():
+    p, d = make_engine(), make_engine()
+    req = request("r", list(range(10, 31)))
+    d.reserve_remote(req, lease_s=5.0)
+    _prefill(p, req)
+    assert [o.finish_reason for o in d.abort(RequestId("r"))] == ["abort"]
+    assert d.kv.num_used_blocks > 0  # a write may still land: reserved until the outcome is known
+    assert d.fail_remote(RequestId("r"), recompute=True, reason="aborted") == []
+    p.abort(RequestId("r"))
+    assert p.kv.num_used_blocks == 0 and d.kv.num_used_blocks == 0
+    assert d._handoffs == {} and p._handoffs == {}
+    assert not d.has_work
+    p.kv.check_integrity()
+    d.kv.check_integrity()

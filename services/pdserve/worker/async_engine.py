@@ -11,6 +11,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pdserve.common.errors import WorkerTimeoutError
 from pdserve.common.ids import RequestId
@@ -19,6 +20,7 @@ from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -33,12 +35,11 @@ class ThreadedEngine:
     """Implements `worker.engine_api.AsyncEngine` over a synchronous `LLMEngine`."""
 
     def __init__(self, engine: LLMEngine, info: ModelInfo, idle_wait_s: float = 0.02,
-                 admit_timeout_s: float = 60.0, on_idle: Callable[[], None] | None = None) -> None:
+                 admit_timeout_s: float = 60.0) -> None:
         self._engine = engine
         self._info = info
         self._idle_wait_s = idle_wait_s
         self._admit_timeout_s = admit_timeout_s
-        self._on_idle = on_idle or (lambda: None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[RequestId, _Stream] = {}
         self._wake = threading.Event()
@@ -88,6 +89,22 @@ class ThreadedEngine:
     async def abort(self, request_id: RequestId) -> None:
         self._send(("abort", request_id))
 
+    async def call(self, fn: Callable[..., T], *args, timeout_s: float | None = None) -> T:
+        """Run `fn(*args)` on the engine thread between steps; its result or exception comes back here.
+
+        RequestOutputs it returns as a list are also delivered to their streams.
+        """
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send(("call", fn, args, loop, done))
+        return await asyncio.wait_for(done, timeout_s or self._admit_timeout_s)
+
+    def open_stream(self, request_id: RequestId, num_completions: int = 1) -> asyncio.Queue:
+        """A queue receiving the request's outputs (for requests admitted through `call`)."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), num_completions)
+        self._send(("stream", request_id, stream))
+        return stream.outputs
+
     # ---- the engine thread -------------------------------------------------------------------
 
     def _send(self, command: tuple) -> None:
@@ -102,7 +119,7 @@ class ThreadedEngine:
             else:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
-            self._on_idle()
+            self._deliver(self._engine.reap_expired_leases())
             self._stats = self._snapshot()
 
     def _drain_inbox(self) -> None:
@@ -113,6 +130,10 @@ class ThreadedEngine:
                 return
             if command[0] == "add":
                 self._add(*command[1:])
+            elif command[0] == "call":
+                self._run_call(*command[1:])
+            elif command[0] == "stream":
+                self._streams[command[1]] = command[2]
             else:
                 self._deliver(self._engine.abort(command[1]))
                 self._streams.pop(command[1], None)
@@ -125,6 +146,16 @@ class ThreadedEngine:
             return
         self._streams[request.request_id] = stream
         stream.loop.call_soon_threadsafe(_set_result, admitted)
+
+    def _run_call(self, fn: Callable, args: tuple, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+        try:
+            result = fn(*args)
+        except Exception as exc:
+            loop.call_soon_threadsafe(_set_exception, done, exc)
+            return
+        if isinstance(result, list) and all(isinstance(r, RequestOutput) for r in result):
+            self._deliver(result)
+        loop.call_soon_threadsafe(_set_value, done, result)
 
     def _step(self) -> None:
         try:
@@ -167,6 +198,11 @@ class ThreadedEngine:
 def _set_result(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _set_value(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _set_exception(future: asyncio.Future, exc: BaseException) -> None:

@@ -1,0 +1,81 @@
+"""ThreadedEngine: the engine thread behind the worker's asyncio service."""
+import asyncio
+
+import pytest
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.ids import RequestId
+from pdserve.common.stats import ModelInfo, WorkerRole
+from pdserve.worker.async_engine import ThreadedEngine
+from tests.unit.engine.test_llm_engine import make_engine, reference, request
+
+INFO = ModelInfo("toy", 128, 4, "sha256-v1", WorkerRole.BOTH, 97, (0,))
+
+
+@pytest.fixture
+def threaded():
+    engine = ThreadedEngine(make_engine(), INFO, idle_wait_s=0.005)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+async def _collect(engine, req):
+    tokens, reasons = [], []
+    async for out in engine.generate(req):
+        tokens += out.token_ids
+        reasons.append(out.finish_reason)
+    return tokens, reasons
+
+
+def test_concurrent_generations_match_reference(threaded):
+    prompts = [[5, 6, 7], list(range(10, 31)), [40] * 9]
+
+    async def main():
+        return await asyncio.gather(*(_collect(threaded, request(f"r{i}", p)) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(main())
+    assert [t for t, _ in results] == [reference(p, 8) for p in prompts]
+    expected_reasons = ["stop" if reference(p, 8)[-1] == 0 else "length" for p in prompts]
+    assert [r[-1] for _, r in results] == expected_reasons
+
+
+def test_bad_request_raises_typed_error(threaded):
+    async def main():
+        async for _ in threaded.generate(request("bad", [])):
+            pass
+
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(main())
+
+
+def test_abandoning_the_stream_aborts_and_frees_blocks(threaded):
+    async def main():
+        agen = threaded.generate(request("long", range(10, 30), max_tokens=100))
+        await agen.__anext__()
+        await agen.aclose()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if threaded.stats().num_used_blocks == 0 and threaded.stats().num_running == 0:
+                return True
+        return False
+
+    assert asyncio.run(main())
+    threaded.stop()
+    threaded.engine.kv.check_integrity()
+
+
+def test_call_runs_on_the_engine_thread_and_streams_outputs(threaded):
+    async def main():
+        claim = await threaded.call(threaded.engine.reserve_remote, request("r", [5, 6, 7]), 5.0)
+        assert claim.num_cached_tokens == 0
+        outputs = threaded.open_stream(RequestId("r"))
+        await threaded.call(threaded.engine.fail_remote, RequestId("r"), True, "x")
+        tokens = []
+        while True:
+            out = await asyncio.wait_for(outputs.get(), 10)
+            tokens += out.token_ids
+            if out.is_finished:
+                return tokens
+
+    assert asyncio.run(main()) == reference([5, 6, 7], 8)

@@ -1,0 +1,131 @@
+"""Sampler: greedy, temperature / top-k / top-p, per-request seeds, logprobs, bad params."""
+import math
+
+import pytest
+import torch
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.request import SamplingParams
+from pdserve.engine.sampler import Sampler, SamplingRow, _filter_top_k_top_p, make_generator
+
+VOCAB = 1000
+
+
+def random_logits(num_rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn((num_rows, VOCAB), generator=torch.Generator().manual_seed(seed)) * 3  # (B, V)
+
+
+def tokens(results) -> list[int]:
+    return [r.token_id for r in results]
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(6)
+    rows = [SamplingRow(SamplingParams(temperature=0.0))] * 6
+    assert tokens(Sampler(seed=0).sample(logits, rows)) == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    logits = random_logits(4)
+    rows = [SamplingRow(SamplingParams(temperature=t, top_k=1)) for t in (0.5, 1.0, 2.0, 10.0)]
+    assert tokens(Sampler(seed=0).sample(logits, rows)) == logits.argmax(dim=-1).tolist()
+
+
+def test_seeded_request_is_reproducible_across_runs_and_batch_positions():
+    steps = [random_logits(4, seed=s) for s in range(8)]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
+    alone, crowded = Sampler(seed=1), Sampler(seed=2)
+    gen_alone, gen_crowded = make_generator(7), make_generator(7)
+    got_alone, got_crowded = [], []
+    for logits in steps:
+        got_alone += tokens(alone.sample(logits[2:3], [SamplingRow(params, gen_alone)]))
+        neighbours = [SamplingRow(SamplingParams(temperature=0.7)), SamplingRow(params, make_generator(99)),
+                      SamplingRow(params, gen_crowded), SamplingRow(SamplingParams(temperature=0.0))]
+        got_crowded.append(tokens(crowded.sample(logits, neighbours))[2])
+    assert got_alone == got_crowded
+    other = make_generator(8)
+    got_other = [tokens(alone.sample(lg[2:3], [SamplingRow(params, other)]))[0] for lg in steps]
+    assert got_other != got_alone  # a different seed gives a different stream
+
+
+def test_generators_differ_per_completion_index():
+    draws = [torch.rand(4, generator=make_generator(5, index)).tolist() for index in (0, 1)]
+    assert draws[0] != draws[1]
+    assert torch.rand(4, generator=make_generator(5, 1)).tolist() == draws[1]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().expand(4000, 3)  # (4000, 3)
+    rows = [SamplingRow(SamplingParams(temperature=1.0))] * 4000
+    counts = torch.bincount(torch.tensor(tokens(Sampler(seed=0).sample(logits, rows))), minlength=3)
+    assert (counts / 4000 - probs).abs().max().item() < 0.03
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).expand(4000, 3)
+    rows = [SamplingRow(SamplingParams(temperature=0.25))] * 4000
+    counts = torch.bincount(torch.tensor(tokens(Sampler(seed=0).sample(logits, rows))), minlength=3)
+    expected = torch.softmax(torch.tensor([8.0, 4.0, 0.0]), dim=0)
+    assert (counts / 4000 - expected).abs().max().item() < 0.03
+
+
+def test_top_k_and_top_p_masks():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(4, 4)  # (4, 4), sorted best first
+    filtered = _filter_top_k_top_p(logits, top_k=[0, 2, 0, 3], top_p=[0.7, 1.0, 0.5, 0.9])
+    kept = torch.isfinite(filtered)  # (4, 4)
+    assert kept.tolist() == [
+        [True, True, False, False],  # top_p 0.7: 0.5 + 0.3 reaches it
+        [True, True, False, False],  # top_k 2
+        [True, False, False, False],  # top_p 0.5: the best token alone reaches it
+        [True, True, True, False],  # top_k 3, then top_p 0.9 of the renormalised 0.95 mass
+    ]
+    assert torch.equal(filtered[kept], logits[kept])
+
+
+def test_sampled_tokens_stay_inside_top_k():
+    logits = random_logits(1).expand(500, VOCAB)
+    rows = [SamplingRow(SamplingParams(temperature=5.0, top_k=3))] * 500
+    allowed = set(logits[0].topk(3).indices.tolist())
+    chosen = set(tokens(Sampler(seed=0).sample(logits, rows)))
+    assert chosen == allowed
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = random_logits(3)
+    rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=5)),
+            SamplingRow(SamplingParams(temperature=2.0)),
+            SamplingRow(SamplingParams(temperature=0.8, logprobs=0), make_generator(3))]
+    results = Sampler(seed=0).sample(logits, rows)
+    reference = logits.log_softmax(dim=-1)
+    first, second, third = results
+    assert second.logprob is None
+    assert first.logprob.token_id == first.token_id
+    assert first.logprob.logprob == reference[0, first.token_id].item()
+    top_lp, top_ids = reference[0].topk(5)
+    assert first.logprob.top == tuple(zip(top_ids.tolist(), top_lp.tolist()))
+    assert third.logprob.logprob == reference[2, third.token_id].item()
+    assert third.logprob.top == ()
+
+
+@pytest.mark.parametrize(("params", "param"), [
+    (SamplingParams(temperature=-0.1), "temperature"),
+    (SamplingParams(temperature=math.nan), "temperature"),
+    (SamplingParams(top_p=0.0), "top_p"),
+    (SamplingParams(top_p=1.5), "top_p"),
+    (SamplingParams(top_k=-1), "top_k"),
+    (SamplingParams(logprobs=-2), "logprobs"),
+])
+def test_nonsense_params_raise_before_any_draw(params, param):
+    generator = make_generator(1)
+    state = generator.get_state()
+    rows = [SamplingRow(SamplingParams(temperature=1.0), generator), SamplingRow(params)]
+    with pytest.raises(InvalidRequestError) as err:
+        Sampler(seed=0).sample(random_logits(2), rows)
+    assert err.value.param == param
+    assert torch.equal(generator.get_state(), state)
+
+
+def test_row_count_must_match_logits():
+    with pytest.raises(ValueError):
+        Sampler(seed=0).sample(random_logits(2), [SamplingRow(SamplingParams())])

@@ -35,10 +35,8 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
-    __slots__ = ("was_running",)
-    WAS_RUNNING_FIELD_NUMBER: _ClassVar[int]
-    was_running: bool
-    def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,94 @@
+"""The router's client of one worker: `GenerateBackend` over the worker's gRPC service."""
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from pdserve.common.ids import RequestId
+from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.rpc import convert
+from pdserve.rpc.gen import worker_pb2 as wpb
+from pdserve.rpc.gen import worker_pb2_grpc
+from pdserve.rpc.status import error_from_rpc
+
+R = TypeVar("R", bound=Message)
+
+# Pings find a worker that vanished without closing the connection (the worker allows
+# pings every 5 s at most; see worker/server.py).
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+)
+
+
+class GrpcBackend:
+    """A `GenerateBackend` for the worker at `address` ("host:port").
+
+    Every call has a deadline: `generate_timeout_s` for a whole `generate` stream,
+    `rpc_timeout_s` for each other call. A worker that cannot be reached raises
+    `WorkerUnavailableError`; a passed deadline raises `WorkerTimeoutError`; a request the
+    worker refuses raises the worker's typed error (`InvalidRequestError`, ...).
+
+    The channel opens at the first call, in the event loop that makes it; use one
+    `GrpcBackend` from one event loop, and `close()` it there.
+    """
+
+    def __init__(
+        self, address: str, *, rpc_timeout_s: float = 5.0, generate_timeout_s: float = 600.0
+    ) -> None:
+        self.address = address
+        self._rpc_timeout_s = rpc_timeout_s
+        self._generate_timeout_s = generate_timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+
+    def _worker(self) -> worker_pb2_grpc.WorkerStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        return self._stub
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs. Closing this iterator early (`aclose()`, or
+        cancelling the task iterating it) cancels the call, and the worker aborts the request."""
+        message = convert.request_to_proto(request)
+        call = self._worker().Generate(message, timeout=self._generate_timeout_s)
+        try:
+            async for output in call:
+                yield convert.output_from_proto(output)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, self.address, self._generate_timeout_s) from exc
+        finally:
+            call.cancel()  # no-op once the call has ended
+
+    async def _call(self, method: Callable[..., Awaitable[R]], message: Message) -> R:
+        try:
+            return await method(message, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, self.address, self._rpc_timeout_s) from exc
+
+    async def abort(self, request_id: RequestId) -> None:
+        await self._call(self._worker().Abort, wpb.AbortRequest(request_id=request_id))
+
+    async def stats(self) -> EngineStats:
+        reply = await self._call(self._worker().GetStats, wpb.GetStatsRequest())
+        return convert.stats_from_proto(reply.stats)
+
+    async def info(self) -> ModelInfo:
+        reply = await self._call(self._worker().GetInfo, wpb.GetInfoRequest())
+        return convert.info_from_proto(reply.info)
+
+    async def is_serving(self) -> bool:
+        """True if the worker answers health with SERVING; False if it is draining or its
+        engine failed. Raises WorkerUnavailableError if it cannot be reached."""
+        reply = await self._call(self._worker().Health, wpb.HealthRequest())
+        return reply.status == wpb.SERVING_STATUS_SERVING
+
+    async def close(self) -> None:
+        """Close the channel; calls still running end with WorkerUnavailableError."""
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+            self._channel = None
+            self._stub = None

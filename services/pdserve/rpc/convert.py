@@ -1,0 +1,175 @@
+"""Conversions between pdserve's own types and their protobuf messages.
+
+Every `*_to_proto` / `*_from_proto` pair round-trips exactly: `x_from_proto(x_to_proto(v)) == v`.
+A value protobuf cannot carry (a negative token id, a token id past 2**32) raises
+`InvalidRequestError` naming the field, before anything is sent.
+"""
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from google.protobuf.message import Message
+
+from pdserve.common.errors import InvalidRequestError, WorkerError
+from pdserve.common.ids import RequestId
+from pdserve.common.request import (
+    GenerationRequest,
+    MultimodalSpan,
+    PriorityRange,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
+from pdserve.rpc.gen import request_pb2 as rpb
+from pdserve.rpc.gen import worker_pb2 as wpb
+
+_FINISH_TO_PROTO = {
+    None: rpb.FINISH_REASON_UNSPECIFIED,
+    "stop": rpb.FINISH_REASON_STOP,
+    "length": rpb.FINISH_REASON_LENGTH,
+    "abort": rpb.FINISH_REASON_ABORT,
+    "error": rpb.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+_ROLE_TO_PROTO = {
+    WorkerRole.BOTH: wpb.WORKER_ROLE_BOTH,
+    WorkerRole.PREFILL: wpb.WORKER_ROLE_PREFILL,
+    WorkerRole.DECODE: wpb.WORKER_ROLE_DECODE,
+}
+_ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
+
+_STATS_FIELDS = EngineStats.__dataclass_fields__.keys()
+
+M = TypeVar("M", bound=Message)
+K = TypeVar("K")
+
+
+def _checked(build: Callable[..., M], field: str, **kwargs: object) -> M:
+    """`build(**kwargs)`, with protobuf's range errors raised as InvalidRequestError."""
+    try:
+        return build(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"{field}: {exc}", param=field) from exc
+
+
+def _decode(table: Mapping[int, K], value: int, field: str) -> K:
+    """A worker's enum value; one this build does not know is a malformed reply."""
+    if value not in table:
+        raise WorkerError(f"worker sent {field}={value}, which this router does not know")
+    return table[value]
+
+
+def sampling_to_proto(params: SamplingParams) -> rpb.SamplingParams:
+    return _checked(
+        rpb.SamplingParams, "sampling",
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k, seed=params.seed, stop=params.stop,
+        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, n=params.n,
+        logprobs=params.logprobs, include_stop_str_in_output=params.include_stop_str_in_output,
+    )
+
+
+def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, n=msg.n,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+    )
+
+
+def request_to_proto(request: GenerationRequest) -> rpb.GenerateRequest:
+    priorities = [_checked(rpb.PriorityRange, "priorities", start=p.start, end=p.end,
+                           priority=p.priority, duration_s=p.duration_s)
+                  for p in request.priorities]
+    multimodal = [_checked(rpb.MultimodalSpan, "multimodal", content_hash=m.content_hash,
+                           offset=m.offset, length=m.length)
+                  for m in request.multimodal]
+    return _checked(
+        rpb.GenerateRequest, "prompt_token_ids",
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        cache_salt=request.cache_salt, lora_id=request.lora_id, priorities=priorities,
+        multimodal=multimodal, sampling=sampling_to_proto(request.sampling),
+    )
+
+
+def request_from_proto(msg: rpb.GenerateRequest) -> GenerationRequest:
+    """A missing `sampling` message means SamplingParams' defaults, not protobuf's zeros."""
+    sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
+    return GenerationRequest(
+        request_id=RequestId(msg.request_id),
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        sampling=sampling,
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
+        lora_id=msg.lora_id if msg.HasField("lora_id") else None,
+        priorities=tuple(
+            PriorityRange(p.start, p.end, p.priority,
+                          p.duration_s if p.HasField("duration_s") else None)
+            for p in msg.priorities
+        ),
+        multimodal=tuple(MultimodalSpan(m.content_hash, m.offset, m.length) for m in msg.multimodal),
+    )
+
+
+def _logprob_to_proto(lp: TokenLogprob) -> rpb.TokenLogprob:
+    top = [rpb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+    return rpb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top)
+
+
+def _logprob_from_proto(msg: rpb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
+
+
+def output_to_proto(output: RequestOutput) -> rpb.RequestOutput:
+    if output.finish_reason not in _FINISH_TO_PROTO:
+        raise InvalidRequestError(f"unknown finish_reason {output.finish_reason!r}", "finish_reason")
+    return _checked(
+        rpb.RequestOutput, "token_ids",
+        request_id=output.request_id, index=output.index, token_ids=output.token_ids,
+        text=output.text, logprobs=[_logprob_to_proto(lp) for lp in output.logprobs],
+        finish_reason=_FINISH_TO_PROTO[output.finish_reason],
+        num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
+        error=output.error,
+    )
+
+
+def output_from_proto(msg: rpb.RequestOutput) -> RequestOutput:
+    return RequestOutput(
+        request_id=RequestId(msg.request_id),
+        index=msg.index,
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        logprobs=tuple(_logprob_from_proto(lp) for lp in msg.logprobs),
+        finish_reason=_decode(_FINISH_FROM_PROTO, msg.finish_reason, "finish_reason"),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        error=msg.error if msg.HasField("error") else None,
+    )
+
+
+def stats_to_proto(stats: EngineStats) -> wpb.EngineStats:
+    return wpb.EngineStats(**{name: getattr(stats, name) for name in _STATS_FIELDS})
+
+
+def stats_from_proto(msg: wpb.EngineStats) -> EngineStats:
+    return EngineStats(**{name: getattr(msg, name) for name in _STATS_FIELDS})
+
+
+def info_to_proto(info: ModelInfo) -> wpb.ModelInfo:
+    return wpb.ModelInfo(
+        model_name=info.model_name, max_model_len=info.max_model_len,
+        tokens_per_block=info.tokens_per_block, block_hash_algorithm=info.block_hash_algorithm,
+        role=_ROLE_TO_PROTO[info.role], vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+    )
+
+
+def info_from_proto(msg: wpb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        model_name=msg.model_name, max_model_len=msg.max_model_len,
+        tokens_per_block=msg.tokens_per_block, block_hash_algorithm=msg.block_hash_algorithm,
+        role=_decode(_ROLE_FROM_PROTO, msg.role, "role"), vocab_size=msg.vocab_size,
+        eos_token_ids=tuple(msg.eos_token_ids),
+    )

@@ -1,0 +1,65 @@
+"""pdserve's typed errors on the wire: one gRPC status code per error type, both ways.
+
+The worker turns an error into (code, details, trailing metadata); the client turns the
+status back into the same error type, so the router maps it to an HTTP status without
+knowing gRPC exists.
+"""
+import grpc
+
+from pdserve.common.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    OutOfBlocksError,
+    PdserveError,
+    UnknownRequestError,
+    WorkerError,
+    WorkerTimeoutError,
+    WorkerUnavailableError,
+)
+
+PARAM_KEY = "pdserve-param"  # trailing metadata: the request field an INVALID_ARGUMENT names
+
+_CODES: tuple[tuple[type[PdserveError], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
+    (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
+)
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+def status_of(exc: PdserveError) -> tuple[grpc.StatusCode, str, Metadata]:
+    """The code, details and trailing metadata a worker answers `exc` with."""
+    code = next((c for kind, c in _CODES if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+    param = exc.param if isinstance(exc, InvalidRequestError) else None
+    return code, str(exc), () if param is None else ((PARAM_KEY, param),)
+
+
+def error_from_status(
+    code: grpc.StatusCode, details: str, metadata: Metadata, address: str, timeout_s: float
+) -> PdserveError:
+    """The typed error a client raises for a call to `address` that ended with `code`.
+
+    `timeout_s` is the deadline the call ran under, named in a WorkerTimeoutError.
+    """
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return WorkerTimeoutError(address, timeout_s)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return WorkerUnavailableError(address, details or code.name)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # overloaded: a retryable 503, like unavailable
+        return WorkerUnavailableError(address, f"overloaded: {details}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError(details, dict(metadata).get(PARAM_KEY))
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return DuplicateRequestError(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return UnknownRequestError(details)
+    return WorkerError(f"worker {address} failed: {code.name}: {details}")
+
+
+def error_from_rpc(err: grpc.aio.AioRpcError, address: str, timeout_s: float) -> PdserveError:
+    """`error_from_status` for a failed grpc.aio call."""
+    metadata = tuple((k, v) for k, v in (err.trailing_metadata() or ()) if isinstance(v, str))
+    return error_from_status(err.code(), err.details() or "", metadata, address, timeout_s)

@@ -1,0 +1,68 @@
+"""The worker's gRPC server: listen on a port, serve one engine, drain on shutdown."""
+import asyncio
+import logging
+
+import grpc
+
+from pdserve.common.errors import ConfigError
+from pdserve.rpc.gen import worker_pb2_grpc
+from pdserve.worker.engine_api import AsyncEngine
+from pdserve.worker.service import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+# Keepalive pings find a router that vanished without closing its connection; the call's
+# cancellation then aborts its requests. The router's client pings no more often than this.
+# grpc's default SO_REUSEPORT would let a second worker share the port silently.
+SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+class WorkerServer:
+    """Serves `engine` over gRPC on `host:port` (port 0: any free port).
+
+    Lifecycle: `start()` once, then `stop(grace_s)` once. `stop` refuses new calls at once,
+    waits up to `grace_s` for running ones, then cancels the rest (each cancelled call
+    aborts its request in the engine).
+    """
+
+    def __init__(self, engine: AsyncEngine, host: str, port: int) -> None:
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), self._server)
+        self._address = f"{host}:{port}"
+        self.port: int | None = None  # the bound port, once started
+
+    async def start(self) -> int:
+        """Listen and serve; returns the bound port. Raises ConfigError if it cannot bind."""
+        try:
+            port = self._server.add_insecure_port(self._address)
+        except RuntimeError as exc:
+            raise ConfigError("port", self._address, f"cannot listen: {exc}") from exc
+        if port == 0:
+            raise ConfigError("port", self._address, "cannot listen (address in use?)")
+        await self._server.start()
+        self.port = port
+        log.info("worker serving gRPC on %s (port %d)", self._address, port)
+        return port
+
+    async def stop(self, grace_s: float) -> None:
+        await self._server.stop(grace_s)
+        log.info("worker stopped")
+
+
+async def serve_until_stopped(
+    engine: AsyncEngine, host: str, port: int, stop: asyncio.Event, grace_s: float
+) -> None:
+    """Serve `engine` until `stop` is set, then drain for at most `grace_s` seconds."""
+    server = WorkerServer(engine, host, port)
+    await server.start()
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace_s)

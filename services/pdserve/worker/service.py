@@ -1,0 +1,94 @@
+"""The worker's gRPC service: a thin shell that turns RPCs into engine calls.
+
+One cleanup owner per request: whenever a `Generate` call ends before the engine finished
+the request (the client cancelled, its deadline passed, the connection dropped, or anything
+failed), this servicer calls `engine.abort(request_id)`, so the request's blocks are freed.
+"""
+import asyncio
+import logging
+from contextlib import aclosing
+
+import grpc
+
+from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, PdserveError
+from pdserve.common.ids import RequestId
+from pdserve.common.request import GenerationRequest
+from pdserve.rpc import convert
+from pdserve.rpc.gen import request_pb2 as rpb
+from pdserve.rpc.gen import worker_pb2 as wpb
+from pdserve.rpc.gen import worker_pb2_grpc
+from pdserve.rpc.status import status_of
+from pdserve.worker.engine_api import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+async def _fail(context: grpc.aio.ServicerContext, exc: PdserveError) -> None:
+    """End the call with `exc`'s status. Always raises (grpc's AbortError)."""
+    code, details, metadata = status_of(exc)
+    await context.abort(code, details, trailing_metadata=metadata)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves one engine; the server around it owns the lifecycle."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    async def Generate(
+        self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        try:
+            gen_request = convert.request_from_proto(request)
+        except PdserveError as exc:
+            await _fail(context, exc)
+        try:
+            await self._stream(gen_request, context)
+        except DuplicateRequestError as exc:  # the id names another live request: leave it be
+            await _fail(context, exc)
+        except PdserveError as exc:
+            await self._abort_in_engine(gen_request.request_id)
+            await _fail(context, exc)
+        except BaseException:  # cancelled by the client or its deadline, or a failure
+            await self._abort_in_engine(gen_request.request_id)
+            raise
+
+    async def _stream(
+        self, request: GenerationRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        async with aclosing(self._engine.generate(request)) as outputs:
+            async for output in outputs:
+                await context.write(convert.output_to_proto(output))
+
+    async def _abort_in_engine(self, request_id: RequestId) -> None:
+        """Abort even if this task is cancelled again while waiting."""
+        log.info("aborting request %s: its call ended early", request_id)
+        await asyncio.shield(self._engine.abort(request_id))
+
+    async def Abort(
+        self, request: wpb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.AbortResponse:
+        if not request.request_id:
+            await _fail(context, InvalidRequestError("request_id must not be empty", "request_id"))
+        await self._engine.abort(RequestId(request.request_id))
+        return wpb.AbortResponse()
+
+    async def Health(
+        self, request: wpb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.HealthResponse:
+        try:
+            self._engine.stats()
+        except Exception as exc:  # any failure of the engine means it cannot serve
+            reason = f"engine failed: {type(exc).__name__}: {exc}"
+            return wpb.HealthResponse(status=wpb.SERVING_STATUS_NOT_SERVING, reason=reason)
+        return wpb.HealthResponse(status=wpb.SERVING_STATUS_SERVING)
+
+    async def GetStats(
+        self, request: wpb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.GetStatsResponse:
+        return wpb.GetStatsResponse(stats=convert.stats_to_proto(self._engine.stats()))
+
+    async def GetInfo(
+        self, request: wpb.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.GetInfoResponse:
+        return wpb.GetInfoResponse(info=convert.info_to_proto(self._engine.info()))

@@ -37,12 +37,13 @@ class RandomText:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _usable(self, token_id: int) -> bool:
-        """Ordinary tokens only: special tokens (`<|im_start|>`, `<s>`) would break the
-        chat template and are recognised by their `<...>` spelling; empty pieces are skipped."""
+        """Ordinary tokens only. Special tokens (`<|im_start|>`, `<s>`) would break the chat
+        template: they decode to nothing or to a `<...>` spelling. Byte pieces of a multi-byte
+        character decode to U+FFFD alone and would put replacement characters in prompts."""
         if token_id not in self._is_usable:
             piece = self.tokenizer.decode([token_id]).strip()
             is_special = piece.startswith("<") and piece.endswith(">")
-            self._is_usable[token_id] = bool(piece) and not is_special
+            self._is_usable[token_id] = bool(piece) and not is_special and "\ufffd" not in piece
         return self._is_usable[token_id]
 
     def _draw_ids(self, count: int) -> list[int]:

@@ -19,6 +19,14 @@ def test_random_text_encodes_to_exactly_the_requested_count(tokenizer, count):
     assert num_tokens(tokenizer, texts.text(count)) == count
 
 
+def test_random_text_has_no_special_tokens_or_broken_characters(tokenizer):
+    text = RandomText(tokenizer, np.random.default_rng(0)).text(3000)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    special = set(tokenizer.eos_token_ids) | {tokenizer.bos_token_id}
+    assert [i for i in ids if i in special] == []
+    assert ("\ufffd" in text, "<|" in text) == (False, False)
+
+
 def test_random_text_counts_the_seam_with_its_head(tokenizer):
     texts = RandomText(tokenizer, np.random.default_rng(0))
     head = texts.text(40)

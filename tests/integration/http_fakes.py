@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 
@@ -19,7 +20,7 @@ from pdserve.common.errors import WorkerError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput, TokenLogprob
 from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.tokenizer import Tokenizer, load_tokenizer
 
 WORDS = (" red", " green", " blue", " cat", " dog", " sun", " moon", " tree",
          " rock", " fish", " bird", " star", " hill", " lake", " wind", " rain")
@@ -28,6 +29,11 @@ MAX_MODEL_LEN = 128
 STATS = EngineStats(num_running=2, num_waiting=1, num_free_blocks=40, num_total_blocks=64,
                     num_used_blocks=24, num_prefill_tokens_queued=0, prefix_cache_queried_tokens=300,
                     prefix_cache_hit_tokens=120, num_preemptions=0)
+
+
+def load_test_tokenizer(cache_root: Path) -> Tokenizer:
+    """The default model's tokenizer; converted once per test session under `cache_root`."""
+    return load_tokenizer(None, cache_dir=str(cache_root / "tokenizer-cache"))
 
 
 def model_info(tokenizer: Tokenizer) -> ModelInfo:
@@ -45,6 +51,10 @@ class WordBackend:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.word_ids = [tokenizer.encode(word, add_special_tokens=False)[0] for word in WORDS]
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to a well-behaved worker with no history (one server serves many tests)."""
         self.requests: list[GenerationRequest] = []
         self.num_cached_tokens = 0
         self.hang_after: int | None = None  # outputs sent before waiting forever

@@ -9,27 +9,34 @@ import httpx
 import openai
 import pytest
 
-from http_fakes import MODEL_NAME, WORDS, WordBackend, greedy_word, model_info, serve
-from pdserve.common.tokenizer import Tokenizer, load_tokenizer
+from http_fakes import MAX_MODEL_LEN, MODEL_NAME, WORDS, WordBackend, greedy_word, load_test_tokenizer, model_info, serve
+from pdserve.common.tokenizer import Tokenizer
 from pdserve.router.app import create_app
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer(None)
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return load_test_tokenizer(tmp_path_factory.getbasetemp())
 
 
-@pytest.fixture
-def backend(tokenizer: Tokenizer) -> WordBackend:
-    return WordBackend(tokenizer)
-
-
-@pytest.fixture
-def base_url(backend: WordBackend, tokenizer: Tokenizer) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def server(tokenizer: Tokenizer) -> Iterator[tuple[str, WordBackend]]:
+    backend = WordBackend(tokenizer)
     with serve(create_app(backend, tokenizer, model_info(tokenizer))) as url:
-        yield url
+        yield url, backend
+
+
+@pytest.fixture
+def backend(server: tuple[str, WordBackend]) -> WordBackend:
+    server[1].reset()
+    return server[1]
+
+
+@pytest.fixture
+def base_url(server: tuple[str, WordBackend], backend: WordBackend) -> str:
+    return server[0]
 
 
 @pytest.fixture
@@ -100,3 +107,131 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 
 def test_health_is_200(base_url: str) -> None:
     assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+
+
+def test_n_choices_and_batch_prompts_are_indexed_prompt_major(client: openai.OpenAI, backend: WordBackend) -> None:
+    out = client.completions.create(model=MODEL_NAME, prompt=["a b", "c d e"], n=2, max_tokens=3, temperature=0)
+    prompts = [r.prompt_token_ids for r in backend.requests]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [greedy_text(list(prompts[0]), 3)] * 2 + [
+        greedy_text(list(prompts[1]), 3)] * 2
+    assert out.usage is not None
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompts[0]) + len(prompts[1]), 12)
+    assert [r.sampling.n for r in backend.requests] == [2, 2]
+
+
+def test_token_id_prompts_pass_through_unchanged(client: openai.OpenAI, backend: WordBackend) -> None:
+    client.completions.create(model=MODEL_NAME, prompt=[[5, 6, 7], [8, 9]], max_tokens=1)
+    client.completions.create(model=MODEL_NAME, prompt=[10, 11], max_tokens=1)
+    assert [r.prompt_token_ids for r in backend.requests] == [(5, 6, 7), (8, 9), (10, 11)]
+
+
+def test_seed_makes_sampling_reproducible(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> list[str]:
+        out = client.completions.create(
+            model=MODEL_NAME, prompt="Pick words:", n=2, max_tokens=12, temperature=0.9, seed=seed)
+        return [c.text for c in out.choices]
+
+    first, again, other = sample(1234), sample(1234), sample(99)
+    assert first == again
+    assert first != other
+    assert first[0] != first[1]  # each choice draws its own tokens
+
+
+def test_sampling_fields_reach_the_worker(client: openai.OpenAI, backend: WordBackend) -> None:
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_completion_tokens=7,
+        temperature=0.5, top_p=0.8, seed=3, stop=["zz"],
+        extra_body={"top_k": 20, "ignore_eos": True, "stop_token_ids": [4, 5], "cache_salt": "tenant-a",
+                    "priority": [{"start": 0, "end": 4, "priority": 90, "duration_s": 30.0}]})
+    (request,) = backend.requests
+    sampling = request.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed) == (
+        7, 0.5, 0.8, 20, 3)
+    assert (sampling.stop, sampling.stop_token_ids, sampling.ignore_eos) == (("zz",), (4, 5), True)
+    assert request.cache_salt == "tenant-a"
+    assert [(p.start, p.end, p.priority, p.duration_s) for p in request.priorities] == [(0, 4, 90, 30.0)]
+
+
+def test_single_priority_covers_the_whole_prompt(client: openai.OpenAI, backend: WordBackend) -> None:
+    client.completions.create(model=MODEL_NAME, prompt=[1, 2, 3, 4, 5], max_tokens=1, extra_body={"priority": 70})
+    assert [(p.start, p.end, p.priority, p.duration_s) for p in backend.requests[0].priorities] == [(0, 5, 70, None)]
+
+
+def test_chat_default_max_tokens_fills_the_context(client: openai.OpenAI, backend: WordBackend) -> None:
+    client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], temperature=0,
+                                   stream=True).close()
+    request = backend.requests[0]
+    assert request.sampling.max_tokens == MAX_MODEL_LEN - len(request.prompt_token_ids)
+
+
+def test_stop_string_ends_the_choice(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    prompt_ids = tokenizer.encode("Go", add_special_tokens=True)
+    full = greedy_text(prompt_ids, 6)
+    stop = WORDS[greedy_word(tuple(prompt_ids), 3)]
+    cut = client.completions.create(model=MODEL_NAME, prompt="Go", max_tokens=6, temperature=0, stop=stop)
+    kept = client.completions.create(model=MODEL_NAME, prompt="Go", max_tokens=6, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (full[: full.index(stop)], "stop")
+    assert kept.choices[0].text == full[: full.index(stop) + len(stop)]
+    assert cut.usage is not None and cut.usage.completion_tokens == 4
+
+
+def test_completion_logprobs_format(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    prompt_ids = tokenizer.encode("Hi", add_special_tokens=True)
+    out = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, temperature=0, logprobs=2)
+    words = [greedy_word(tuple(prompt_ids), step) for step in range(2)]
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.tokens == [WORDS[w] for w in words]
+    assert logprobs.token_logprobs == [-0.125, -0.125]
+    assert logprobs.top_logprobs == [
+        {WORDS[w]: -0.125, WORDS[(w + 1) % 16]: -0.5} for w in words]
+    assert logprobs.text_offset == [0, len(WORDS[words[0]])]
+
+
+def test_chat_logprobs_format(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+    word = greedy_word(tuple(prompt_ids), 0)
+    assert out.choices[0].logprobs is not None
+    (entry,) = out.choices[0].logprobs.content or []
+    assert (entry.token, entry.logprob, entry.bytes) == (WORDS[word], -0.125, list(WORDS[word].encode()))
+    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+        (WORDS[(word + 0) % 16], -0.25), (WORDS[(word + 1) % 16], -0.5)]
+
+
+def test_cached_tokens_are_reported(client: openai.OpenAI, backend: WordBackend) -> None:
+    backend.num_cached_tokens = 16
+    out = client.completions.create(model=MODEL_NAME, prompt=["one", "two"], max_tokens=1)
+    assert out.usage is not None and out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens == 32
+
+
+def test_request_id_header_is_echoed(base_url: str) -> None:
+    body = {"prompt": "x", "max_tokens": 1}
+    given = httpx.post(f"{base_url}/v1/completions", json=body, headers={"X-Request-Id": "trace-42"}, timeout=10)
+    generated = httpx.post(f"{base_url}/v1/completions", json=body, timeout=10)
+    assert given.headers["x-request-id"] == "trace-42"
+    assert generated.headers["x-request-id"] == generated.json()["id"]
+    assert generated.json()["id"].startswith("cmpl-")
+
+
+def test_metrics_count_requests_and_expose_worker_figures(tokenizer: Tokenizer) -> None:
+    app = create_app(WordBackend(tokenizer), tokenizer, model_info(tokenizer))  # fresh counters
+    with serve(app) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, temperature=0)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=0)
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    lines = set(text.splitlines())
+    assert 'pdserve_http_requests_total{route="/v1/completions",status="200"} 1.0' in lines
+    assert 'pdserve_http_requests_total{route="/v1/completions",status="400"} 1.0' in lines
+    assert "pdserve_time_to_first_token_seconds_count 1.0" in lines
+    assert "pdserve_time_per_output_token_seconds_count 1.0" in lines
+    assert "pdserve_e2e_request_latency_seconds_count 1.0" in lines
+    assert {"pdserve_num_requests_running 2.0", "pdserve_num_requests_waiting 1.0",
+            "pdserve_kv_blocks_in_use 24.0", "pdserve_prefix_cache_queries_total 300.0",
+            "pdserve_prefix_cache_hits_total 120.0", "pdserve_worker_stats_up 1.0"} <= lines

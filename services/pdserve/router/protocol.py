@@ -5,7 +5,7 @@ Field names follow OpenAI and vLLM's extensions. pdserve's own extensions: `cach
 one value for the whole prompt, or token ranges with a priority and an optional duration) and
 `lora_id` (reserved). Range checks that need the prompt or the model live in `sampling.py`.
 """
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -28,12 +28,15 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
 
+Priority = Annotated[int, Field(ge=0, le=100)]
+
+
 class PriorityRangeBody(StrictModel):
     """Retention priority for prompt tokens [start, end); `end` None means the prompt's end."""
 
     start: int = Field(0, ge=0)
     end: int | None = Field(None, gt=0)
-    priority: int = Field(ge=0, le=100)
+    priority: Priority
     duration_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
@@ -44,7 +47,7 @@ class PriorityRangeBody(StrictModel):
 
 
 StopBody = str | list[str]
-PriorityBody = int | list[PriorityRangeBody]
+PriorityBody = Priority | list[PriorityRangeBody]
 
 
 class SamplingBody(StrictModel):

@@ -1,0 +1,71 @@
+"""Builders for tiny random-weight checkpoints (saved with transformers) and forward batches.
+
+A module of its own (not conftest) so tests import it by a name no other test folder uses.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from pdserve.common.ids import RequestId
+from pdserve.engine.batch import ForwardBatch, SeqChunk
+from pdserve.engine.runner import ModelRunner
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            initializer_range=0.1)  # wide init: logits far apart, so greedy argmax has no near-ties
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
+    "llama3_rope": (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}, "rope_theta": 500000.0}),
+}
+TOKENS_PER_BLOCK = 4
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    path: Path
+    hf_model: torch.nn.Module
+
+    def hf_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """(len(token_ids), vocab) teacher-forced logits from transformers."""
+        with torch.no_grad():
+            return self.hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def make_checkpoint(directory: Path, kind: str, seed: int = 0, **save_kwargs) -> TinyCheckpoint:
+    config_cls, model_cls, extra = ARCHITECTURES[kind]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**TINY, **extra)).eval()
+    model.save_pretrained(directory, **save_kwargs)
+    return TinyCheckpoint(directory, model)
+
+
+def load_runner(checkpoint: TinyCheckpoint, num_blocks: int = 64, **kwargs) -> ModelRunner:
+    return ModelRunner.load(checkpoint.path, dtype=kwargs.pop("dtype", "float32"), device="cpu",
+                            num_blocks=num_blocks, tokens_per_block=TOKENS_PER_BLOCK, **kwargs)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, TINY["vocab_size"], (length,), generator=generator).tolist()
+
+
+def chunk(rid: str, token_ids: list[int], start_pos: int, blocks: list[int], *, all_logits: bool = False,
+          needs_logits: bool = True) -> SeqChunk:
+    return SeqChunk(RequestId(rid), tuple(token_ids), start_pos, tuple(blocks),
+                    needs_logits=needs_logits, all_logits=all_logits)
+
+
+def run(runner: ModelRunner, *chunks: SeqChunk) -> list[torch.Tensor]:
+    return runner.forward(ForwardBatch(tuple(chunks))).logits
+
+
+def blocks_for(first: int, num_tokens: int) -> list[int]:
+    """Consecutive block ids from `first`, enough for `num_tokens` tokens."""
+    return list(range(first, first + -(-num_tokens // TOKENS_PER_BLOCK)))

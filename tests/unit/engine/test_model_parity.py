@@ -1,0 +1,107 @@
+"""Teacher-forced logits equal transformers' for Llama, Qwen2 and Mistral, however the prompt is split."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
+from pdserve.engine.layers import RotaryEmbedding
+
+ARCHS = ["llama", "qwen2", "mistral", "llama3_rope"]
+PROMPT_LEN = 23  # odd, spans 6 blocks of 4, and longer than Mistral's window of 8
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runners(checkpoints):
+    return {kind: load_runner(checkpoints[kind]) for kind in ARCHS}
+
+
+def scattered(num_blocks: int, seed: int) -> list[int]:
+    """Distinct, out-of-order block ids: catches any assumption that a table is contiguous."""
+    return torch.randperm(64, generator=torch.Generator().manual_seed(seed))[:num_blocks].tolist()
+
+
+def in_chunks(runner, token_ids: list[int], size: int, blocks: list[int]) -> torch.Tensor:
+    rows = []
+    for start in range(0, len(token_ids), size):
+        piece = token_ids[start:start + size]
+        rows += run(runner, chunk("r", piece, start, blocks, all_logits=True))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_whole_prompt_matches_transformers(runners, checkpoints, kind):
+    ids = prompt(PROMPT_LEN, seed=1)
+    [logits] = run(runners[kind], chunk("r", ids, 0, scattered(6, seed=2), all_logits=True))
+    assert logits.shape == (PROMPT_LEN, 300)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, checkpoints[kind].hf_logits(ids), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+@pytest.mark.parametrize("size", [TOKENS_PER_BLOCK, 3, 1])
+def test_chunked_prompt_matches_transformers(runners, checkpoints, kind, size):
+    ids = prompt(PROMPT_LEN, seed=3)
+    logits = in_chunks(runners[kind], ids, size, scattered(6, seed=4))
+    torch.testing.assert_close(logits, checkpoints[kind].hf_logits(ids), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_prefill_over_a_cached_prefix_of_another_sequence(runners, checkpoints, kind):
+    runner, ids = runners[kind], prompt(PROMPT_LEN, seed=5)
+    shared = [40, 7, 22]  # three full blocks: 12 prefix tokens
+    [none] = run(runner, chunk("a", ids[:12], 0, shared + [1], needs_logits=False))
+    assert none.shape == (0, 300)
+    # A second sequence reuses the blocks as its prefix and computes only the rest.
+    [rest] = run(runner, chunk("b", ids[12:], 12, shared + [9, 31, 3], all_logits=True))
+    torch.testing.assert_close(rest, checkpoints[kind].hf_logits(ids)[12:], atol=TOL, rtol=0)
+
+
+def test_needs_logits_returns_only_the_last_row(runners, checkpoints):
+    ids = prompt(9, seed=6)
+    [last] = run(runners["llama"], chunk("r", ids, 0, [5, 6, 7]))
+    torch.testing.assert_close(last, checkpoints["llama"].hf_logits(ids)[-1:], atol=TOL, rtol=0)
+
+
+def test_mistral_window_changes_logits_past_the_window(checkpoints):
+    """Guards the window test above against a window that masks nothing."""
+    ids = prompt(PROMPT_LEN, seed=1)
+    hf = checkpoints["mistral"].hf_model
+    with torch.no_grad():
+        windowed = hf(torch.tensor([ids])).logits[0]
+        hf.config.sliding_window = None
+        try:
+            full = hf(torch.tensor([ids])).logits[0]
+        finally:
+            hf.config.sliding_window = 8
+    assert torch.equal(windowed[:8], full[:8])
+    assert not torch.allclose(windowed[8:], full[8:], atol=TOL)
+
+
+def test_llama3_scaling_matters_at_these_positions(checkpoints):
+    """Guards the llama3 parity test: the same weights with unscaled rope give other logits."""
+    runner = load_runner(checkpoints["llama3_rope"])
+    runner.model.rope = RotaryEmbedding(replace(runner.config, rope_scaling=None), runner.device)
+    ids = prompt(PROMPT_LEN, seed=1)
+    [unscaled] = run(runner, chunk("r", ids, 0, [0, 1, 2, 3, 4, 5], all_logits=True))
+    assert not torch.allclose(unscaled, checkpoints["llama3_rope"].hf_logits(ids), atol=TOL)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_stays_close(checkpoints, dtype):
+    runner = load_runner(checkpoints["llama"], dtype=dtype)
+    ids = prompt(PROMPT_LEN, seed=7)
+    [logits] = run(runner, chunk("r", ids, 0, [3, 2, 1, 0, 4, 5], all_logits=True))
+    reference = checkpoints["llama"].hf_logits(ids)
+    assert runner.kv_tensor.dtype == getattr(torch, dtype)
+    torch.testing.assert_close(logits, reference, atol=0.1, rtol=0.05)
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+def test_fp8_kv_cache_stays_close(checkpoints):
+    runner = load_runner(checkpoints["llama"], kv_cache_dtype="fp8")
+    ids = prompt(PROMPT_LEN, seed=8)
+    logits = in_chunks(runner, ids, 5, [8, 9, 10, 11, 12, 13])
+    assert runner.kv_tensor.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(logits, checkpoints["llama"].hf_logits(ids), atol=0.15, rtol=0.05)

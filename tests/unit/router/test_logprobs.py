@@ -1,0 +1,21 @@
+from pdserve.common.request import TokenLogprob
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.router.logprobs import LogprobFormatter
+from pdserve.router.responses import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+
+def test_completion_format_includes_the_sampled_token_and_offsets(tokenizer: Tokenizer) -> None:
+    red, cat = tokenizer.encode(" red")[0], tokenizer.encode(" cat")[0]
+    entries = [TokenLogprob(red, -0.5, ((cat, -0.25), (red, -0.5))), TokenLogprob(cat, float("-inf"), ())]
+    out, offset = LogprobFormatter(tokenizer).completion(entries, num_top=1, text_offset=3)
+    assert out == CompletionLogprobs(
+        tokens=[" red", " cat"], token_logprobs=[-0.5, -9999.0],
+        top_logprobs=[{" cat": -0.25, " red": -0.5}, {" cat": -9999.0}], text_offset=[3, 7])
+    assert offset == 11
+
+
+def test_chat_format_lists_top_n_with_bytes(tokenizer: Tokenizer) -> None:
+    red, cat = tokenizer.encode(" red")[0], tokenizer.encode(" cat")[0]
+    (entry,) = LogprobFormatter(tokenizer).chat([TokenLogprob(red, -0.5, ((cat, -0.25), (red, -0.5)))], num_top=1)
+    assert entry == ChatTokenLogprob(token=" red", logprob=-0.5, bytes=[32, 114, 101, 100],
+                                     top_logprobs=[TopLogprob(token=" cat", logprob=-0.25, bytes=[32, 99, 97, 116])])

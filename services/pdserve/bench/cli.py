@@ -68,7 +68,7 @@ async def _timed_run(
     config: BenchConfig, http: httpx.AsyncClient, target: Target, conversations: list[Conversation]
 ) -> RunResult:
     options = RequestOptions(config.base_url, config.endpoint, target.model, config.temperature,
-                             config.ignore_eos)
+                             config.ignore_eos, config.request_timeout_s)
 
     def count(text: str) -> int:
         return len(target.tokenizer.encode(text, add_special_tokens=False))

@@ -3,6 +3,7 @@
 Speaks HTTP only. Every request streams (SSE) with `stream_options.include_usage`, so
 token counts come from the server's `usage` when it sends one.
 """
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -98,23 +99,32 @@ class _Stream:
         )
 
 
-async def stream_request(http: httpx.AsyncClient, url: str, payload: dict) -> StreamResult:
-    """POST `payload` to `url` and read the SSE stream to its end.
+async def stream_request(
+    http: httpx.AsyncClient, url: str, payload: dict, timeout_s: float | None = None
+) -> StreamResult:
+    """POST `payload` to `url` and read the SSE stream to its end, within `timeout_s` overall.
 
     Never raises for a failed request: HTTP errors, error events (also inside an HTTP 200
-    stream), transport errors and timeouts (the client's) become `StreamResult.error`.
+    stream), transport errors and timeouts become `StreamResult.error`.
     """
     stream = _Stream(time.perf_counter())
     try:
-        async with http.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace")
-                return stream.result(f"HTTP {response.status_code}: {_error_body(body)}")
-            async for line in response.aiter_lines():
-                if not stream.feed(line):
-                    break
+        async with asyncio.timeout(timeout_s):
+            return await _read(http, url, payload, stream)
+    except TimeoutError:
+        return stream.result(f"timed out after {timeout_s:g} s")
     except httpx.HTTPError as exc:
         return stream.result(f"{type(exc).__name__}: {exc}".rstrip(": ")[:MAX_ERROR_CHARS])
+
+
+async def _read(http: httpx.AsyncClient, url: str, payload: dict, stream: _Stream) -> StreamResult:
+    async with http.stream("POST", url, json=payload) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode("utf-8", "replace")
+            return stream.result(f"HTTP {response.status_code}: {_error_body(body)}")
+        async for line in response.aiter_lines():
+            if not stream.feed(line):
+                break
     return stream.result(None)
 
 

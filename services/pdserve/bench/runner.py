@@ -6,13 +6,14 @@ concurrency cap, a request waits for a free slot first (reported as queue time, 
 counted in TTFT). A failed turn ends its conversation: later turns have no history.
 """
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 
-from pdserve.bench.client import stream_request
+from pdserve.bench.client import StreamResult, stream_request
 from pdserve.bench.datasets import Conversation, Turn
 from pdserve.bench.metrics import RequestRecord
 from pdserve.common.errors import ConfigError
@@ -29,6 +30,7 @@ class RequestOptions:
     model: str
     temperature: float = 0.0
     ignore_eos: bool = False
+    timeout_s: float | None = None  # per request, send to last byte
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -81,13 +83,13 @@ class _Run:
         self.records: list[RequestRecord] = []
         self.started_at = time.perf_counter()
 
-    async def _stream(self, payload: dict) -> tuple[float, float, object]:
+    async def _stream(self, payload: dict) -> tuple[float, float, StreamResult]:
+        """(queued at, sent at, result): with a cap, the request waits for a slot first."""
         queued_at = time.perf_counter()
-        if self.slots is None:
-            return queued_at, queued_at, await stream_request(self.http, self.options.url, payload)
-        async with self.slots:
+        async with self.slots or contextlib.nullcontext():
             sent_at = time.perf_counter()
-            return queued_at, sent_at, await stream_request(self.http, self.options.url, payload)
+            result = await stream_request(self.http, self.options.url, payload, self.options.timeout_s)
+        return queued_at, sent_at, result
 
     async def send(self, payload: dict, estimated_prompt_len: int) -> RequestRecord:
         """Send one request; token counts come from the server's usage when present."""

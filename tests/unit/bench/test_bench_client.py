@@ -124,3 +124,11 @@ def test_concurrency_cap_bounds_requests_in_flight(serve):
     result = run(lambda http: run_requests(options, http, conversations, [0.0] * 6, len, max_concurrency=2))
     assert server.behavior.max_in_flight == 2
     assert len(result.records) == 6 and all(r.is_success for r in result.records)
+
+
+def test_a_request_past_its_deadline_fails_with_a_timeout(serve):
+    server = serve(Behavior(chunk_delay_s=0.2))
+    result = run(lambda http: stream_request(http, server.base_url + "/v1/completions", completion(50),
+                                             timeout_s=0.5))
+    assert result.error == "timed out after 0.5 s"
+    assert len(result.chunk_times) < 50

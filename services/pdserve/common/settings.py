@@ -1,0 +1,258 @@
+"""Every setting of every pdserve process, resolved in this one module.
+
+Each field has a flag, an environment variable and a config-file key, all spelled after the
+flag: `--max-model-len`, `PDSERVE_MAX_MODEL_LEN`, `max-model-len:` (or `max_model_len:`).
+Precedence, highest first: flag > environment variable > file named by `--config` (or
+`PDSERVE_CONFIG`; YAML, TOML or JSON) > the field's default. Flags take vLLM's names where
+the meaning is the same. A bad value raises ConfigError naming where it came from, e.g.
+`PDSERVE_BLOCK_SIZE='12': must be a power of two`. No other module reads the environment.
+"""
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pdserve.common import config_options as cv
+from pdserve.common.errors import ConfigError
+from pdserve.common.model_source import default_model_path
+from pdserve.common.stats import WorkerRole
+
+ENV_PREFIX = cv.ENV_PREFIX
+CONFIG_ENV = "PDSERVE_CONFIG"
+
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+KV_CACHE_DTYPES = ("auto", "fp8")
+DEVICES = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def opt(default: object = dataclasses.MISSING, *, help: str, parse: cv.Parser, flag: str | None = None,
+        factory: object = dataclasses.MISSING) -> Any:
+    """A settings field: its default, help text, parser and (when not its name) flag."""
+    meta = {"help": help, "parse": parse, "flag": flag}
+    return field(default=default, default_factory=factory, metadata=meta)  # type: ignore[call-overload]
+
+
+def _check(is_ok: bool, name: str, value: object, reason: str) -> None:
+    if not is_ok:
+        raise ConfigError(name, value, reason)
+
+
+def _check_positive(settings: object, *names: str) -> None:
+    for name in names:
+        value = getattr(settings, name)
+        _check(value is None or value > 0, name, value, "must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """One worker process: its engine, its KV cache and where it serves gRPC.
+
+    KV cache capacity is the smallest of the limits set: `kv_cache_memory` bytes,
+    `max_kv_tokens` tokens, and `gpu_memory_utilization` of the device memory free at start
+    (of available RAM on CPU).
+    """
+
+    model: str = opt(factory=default_model_path, parse=cv.parse_str,
+                     help="GGUF file or Hugging Face checkpoint directory (default: bundled SmolLM2-135M)")
+    served_model_name: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                                        help="model name in the API (default: the model file's name)")
+    role: WorkerRole = opt(WorkerRole.BOTH, parse=cv.member_of(WorkerRole), help="both | prefill | decode")
+    host: str = opt("127.0.0.1", parse=cv.parse_str, help="gRPC listen address")
+    port: int = opt(50051, parse=cv.parse_int, help="gRPC listen port (0: any free port)")
+    device: str = opt("auto", parse=cv.choice(*DEVICES), help="auto picks cuda when present")
+    dtype: str = opt("auto", parse=cv.choice(*DTYPES, aliases=DTYPE_ALIASES), help="model dtype")
+    kv_cache_dtype: str = opt("auto", parse=cv.choice(*KV_CACHE_DTYPES), help="auto: the model dtype")
+    block_size: int = opt(16, parse=cv.parse_int, help="tokens per KV block (a power of two)")
+    max_model_len: int | None = opt(None, parse=cv.optional(cv.parse_int),
+                                    help="longest prompt + output (default: the model's context length)")
+    max_num_seqs: int = opt(64, parse=cv.parse_int, help="most requests running at once")
+    max_num_batched_tokens: int = opt(2048, parse=cv.parse_int, help="token budget of one engine step")
+    enable_prefix_caching: bool = opt(True, parse=cv.parse_bool, help="reuse cached prompt blocks")
+    kv_cache_memory: int | None = opt(None, parse=cv.optional(cv.parse_bytes),
+                                      help="KV cache bytes, e.g. 512MiB")
+    max_kv_tokens: int | None = opt(None, parse=cv.optional(cv.parse_int), help="KV cache size in tokens")
+    gpu_memory_utilization: float = opt(0.9, parse=cv.parse_float,
+                                        help="fraction of free device memory (RAM on CPU) for the KV cache")
+    num_threads: int | None = opt(None, parse=cv.optional(cv.parse_int), help="torch CPU threads")
+    drain_timeout_s: float = opt(5.0, parse=cv.parse_float, flag="drain-timeout",
+                                 help="seconds running requests may finish after SIGTERM")
+    log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                        "kv_cache_memory", "max_kv_tokens", "num_threads", "drain_timeout_s")
+        _check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size,
+               "must be a power of two")
+        _check(0 <= self.port < 65536, "port", self.port, "must be in 0..65535")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+               self.gpu_memory_utilization, "must be in (0, 1]")
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+               self.max_num_batched_tokens, f"must be >= max-num-seqs ({self.max_num_seqs})")
+
+    @property
+    def model_name(self) -> str:
+        """The name the API serves the model under."""
+        return self.served_model_name or Path(self.model).name.removesuffix(".gguf")
+
+    @property
+    def address(self) -> str:
+        """Where a client on this machine reaches the worker."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """The HTTP router: where it listens, what it tokenizes with, which workers it calls."""
+
+    model: str = opt(factory=default_model_path, parse=cv.parse_str,
+                     help="model whose tokenizer and chat template the router uses (same as the worker's)")
+    served_model_name: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                                        help="model name in the API (default: the worker's)")
+    host: str = opt("127.0.0.1", parse=cv.parse_str, help="HTTP listen address")
+    port: int = opt(8000, parse=cv.parse_int, help="HTTP listen port")
+    workers: tuple[str, ...] = opt(("127.0.0.1:50051",), parse=cv.parse_addresses, flag="worker",
+                                   help="worker gRPC address(es), comma-separated host:port")
+    rpc_timeout_s: float = opt(5.0, parse=cv.parse_float, flag="rpc-timeout",
+                               help="deadline of each control call to a worker (seconds)")
+    generate_timeout_s: float = opt(3600.0, parse=cv.parse_float, flag="generate-timeout",
+                                    help="deadline of one generation stream (seconds)")
+    worker_wait_timeout_s: float = opt(60.0, parse=cv.parse_float, flag="worker-wait-timeout",
+                                       help="how long the router waits at start for its workers (seconds)")
+    first_output_timeout_s: float = opt(600.0, parse=cv.parse_float, flag="first-output-timeout",
+                                        help="wait for a request's first output, queueing included")
+    output_timeout_s: float = opt(120.0, parse=cv.parse_float, flag="output-timeout",
+                                  help="longest wait between two outputs of one request (seconds)")
+    log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
+
+    def __post_init__(self) -> None:
+        _check(0 < self.port < 65536, "port", self.port, "must be in 1..65535")
+        _check_positive(self, "rpc_timeout_s", "generate_timeout_s", "worker_wait_timeout_s",
+                        "first_output_timeout_s", "output_timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    """`pdserve serve`: one router and one worker (role both), as two processes."""
+
+    router: RouterSettings
+    worker: WorkerSettings
+    startup_timeout_s: float = opt(300.0, parse=cv.parse_float, flag="startup-timeout",
+                                   help="how long each process may take to become ready (seconds)")
+    shutdown_timeout_s: float = opt(15.0, parse=cv.parse_float, flag="shutdown-timeout",
+                                    help="how long each process may take to stop before it is killed")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "startup_timeout_s", "shutdown_timeout_s")
+        _check(self.worker.role == WorkerRole.BOTH, "role", self.worker.role, "serve runs a role=both worker")
+        _check(self.router.workers == (self.worker.address,), "worker", self.router.workers,
+               f"serve's router calls its own worker at {self.worker.address}")
+
+
+# ---- resolution: flag > environment > config file > default ---------------------------------
+
+T = TypeVar("T")
+Target = cv.Target
+
+
+def _resolve(prog: str, options: list[cv.Option], argv: Sequence[str] | None,
+             environ: Mapping[str, str] | None) -> tuple[dict[Target, object], dict[Target, str]]:
+    """Each set field's value and the label of the source it came from."""
+    env = os.environ if environ is None else environ
+    cli = vars(cv.build_parser(prog, options).parse_args(argv))
+    config_path = cli.pop("config", None) or env.get(CONFIG_ENV)
+    in_file = cv.file_values(config_path, options) if config_path else {}
+    values: dict[Target, object] = {}
+    labels: dict[Target, str] = {}
+    for o in options:
+        dest = o.flag.replace("-", "_")
+        if dest in cli:
+            raw, label = cli[dest], f"--{o.flag}"
+        elif o.env_var in env:
+            raw, label = env[o.env_var], o.env_var
+        elif o.flag in in_file:
+            raw, label = in_file[o.flag], f"{o.flag} (in {config_path})"
+        else:
+            continue
+        try:
+            value = o.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(label, raw, str(exc)) from None
+        values.update((t, value) for t in o.targets)
+        labels.update((t, label) for t in o.targets)
+    return values, labels
+
+
+def _build(cls: type[T], section: str, options: list[cv.Option], values: dict[Target, object],
+           labels: dict[Target, str], **extra: object) -> T:
+    """`cls` from its section's values; a ConfigError names the flag or source of the field."""
+    kwargs = {name: value for (sec, name), value in values.items() if sec == section}
+    try:
+        return cls(**kwargs, **extra)
+    except ConfigError as exc:
+        flags = {t: f"--{o.flag}" for o in options for t in o.targets}
+        where = labels.get((section, exc.field)) or flags.get((section, exc.field), exc.field)
+        raise ConfigError(where, exc.value, exc.reason) from None
+
+
+def _resolve_one(cls: type[T], prog: str, argv: Sequence[str] | None,
+                 environ: Mapping[str, str] | None) -> T:
+    options = cv.options_of(cls, "")
+    values, labels = _resolve(prog, options, argv, environ)
+    return _build(cls, "", options, values, labels)
+
+
+def resolve_worker_settings(argv: Sequence[str] | None = None,
+                            environ: Mapping[str, str] | None = None) -> WorkerSettings:
+    """`pdserve worker`'s settings. `environ` None reads the process environment.
+    Raises ConfigError for a bad value; exits (argparse) on an unknown flag or --help."""
+    return _resolve_one(WorkerSettings, "pdserve worker", argv, environ)
+
+
+def resolve_router_settings(argv: Sequence[str] | None = None,
+                            environ: Mapping[str, str] | None = None) -> RouterSettings:
+    """`pdserve router`'s settings; as `resolve_worker_settings`."""
+    return _resolve_one(RouterSettings, "pdserve router", argv, environ)
+
+
+_SERVE_WORKER_FLAGS = {"host": "worker-host", "port": "worker-port"}
+
+
+def resolve_serve_settings(argv: Sequence[str] | None = None,
+                           environ: Mapping[str, str] | None = None) -> ServeSettings:
+    """`pdserve serve`'s settings: the router's flags (`--host`/`--port` are HTTP), the
+    worker's (its gRPC address is `--worker-host`/`--worker-port`), and the launcher's.
+    Flags both take (`--model`, `--served-model-name`, `--log-level`) set both."""
+    options = cv.merged(
+        cv.options_of(RouterSettings, "router", skip=("workers",))
+        + cv.options_of(WorkerSettings, "worker", rename=_SERVE_WORKER_FLAGS, skip=("role",))
+        + cv.options_of(ServeSettings, "serve")
+    )
+    values, labels = _resolve("pdserve serve", options, argv, environ)
+    worker = _build(WorkerSettings, "worker", options, values, labels)
+    router = _build(RouterSettings, "router", options, values, labels, workers=(worker.address,))
+    return _build(ServeSettings, "serve", options, values, labels, router=router, worker=worker)
+
+
+def to_argv(settings: WorkerSettings | RouterSettings) -> list[str]:
+    """Flags that resolve back to `settings` (fields left None are left out)."""
+    argv = []
+    for o in cv.options_of(type(settings), ""):
+        value = getattr(settings, o.targets[0][1])
+        if value is None:
+            continue
+        if o.is_bool:
+            argv.append(f"--{o.flag}" if value else f"--no-{o.flag}")
+        else:
+            argv += [f"--{o.flag}", ",".join(value) if isinstance(value, tuple) else str(value)]
+    return argv
+
+
+def child_environ() -> dict[str, str]:
+    """This process's environment without its PDSERVE_ variables, for a child that gets
+    every setting as a flag (a serve config file's keys would be unknown to a worker)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}

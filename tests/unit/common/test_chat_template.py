@@ -2,6 +2,8 @@
 from datetime import datetime
 
 import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
 
 from pdserve.common.chat_template import ChatTemplate
 from pdserve.common.errors import ConfigError, InvalidRequestError
@@ -61,9 +63,6 @@ def test_invalid_jinja_raises_config_error():
 
 
 def test_tokenizer_without_template_refuses_chat():
-    from tokenizers import Tokenizer as Backend
-    from tokenizers.models import BPE
-
     tokenizer = Tokenizer(Backend(BPE()), TokenizerSpec(None, (), None))
     with pytest.raises(InvalidRequestError) as err:
         tokenizer.apply_chat_template([{"role": "user", "content": "x"}])

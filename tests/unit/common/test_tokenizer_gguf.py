@@ -66,6 +66,9 @@ def test_cached_conversion_is_reused_and_identical(smollm_gguf_path, smollm_toke
     first = load_tokenizer(smollm_gguf_path, cache_dir=str(tmp_path))
     files = sorted(p.name.split(".", 1)[1] for p in tmp_path.iterdir())
     assert files == ["spec.json", "tokenizer.json"]
+    spec = json.loads(next(tmp_path.glob("*.spec.json")).read_text())
+    assert (spec["bos_token_id"], spec["eos_token_ids"]) == (1, [2])
+    assert spec["chat_template"].startswith("{% for message in messages %}")
     second = load_tokenizer(smollm_gguf_path, cache_dir=str(tmp_path))
     for text in TEXTS:
         assert first.encode(text) == second.encode(text) == smollm_tokenizer.encode(text)
@@ -117,10 +120,3 @@ def test_unsupported_gguf_tokenizers_raise_config_error(tmp_path, model, pre, fi
     assert err.value.field == field
     assert not (tmp_path / "cache").exists()  # nothing cached for a failed conversion
 
-
-def test_spec_round_trips_through_json(smollm_gguf_path, tmp_path):
-    load_tokenizer(smollm_gguf_path, cache_dir=str(tmp_path))
-    spec_file = next(tmp_path.glob("*.spec.json"))
-    spec = json.loads(spec_file.read_text())
-    assert (spec["bos_token_id"], spec["eos_token_ids"]) == (1, [2])
-    assert spec["chat_template"].startswith("{% for message in messages %}")

@@ -3,6 +3,7 @@ the same, parsed once into a frozen `BenchConfig`."""
 import argparse
 import math
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from pdserve.bench.arrivals import validate_arrivals
@@ -98,6 +99,10 @@ def _add_report_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--goodput", nargs="+", help="vLLM spelling of --slo: ttft:500 tpot:50 (ms)")
     group.add_argument("--metric-percentiles", default="90,99", help="comma-separated, e.g. 50,90,99")
     group.add_argument("--json", dest="json_path", metavar="PATH", help="write the result JSON here")
+    group.add_argument("--save-result", action="store_true", help="vLLM spelling: write the JSON to "
+                       "--result-dir/--result-filename (default ./pdserve-bench-DATE.json)")
+    group.add_argument("--result-dir", help="with --save-result")
+    group.add_argument("--result-filename", help="with --save-result")
     group.add_argument("--plot", dest="plot_path", metavar="PATH.png", help="write latency/throughput plots")
     group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
@@ -157,9 +162,17 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise ConfigError("--request-timeout", args.request_timeout, "must be > 0 seconds")
 
 
-def _check_output_paths(args: argparse.Namespace) -> None:
+def _json_path(args: argparse.Namespace) -> str | None:
+    """--json PATH, or where vLLM's --save-result flags put the file."""
+    if args.json_path is not None or not args.save_result:
+        return args.json_path
+    name = args.result_filename or f"pdserve-bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    return str(Path(args.result_dir or ".") / name)
+
+
+def _check_output_paths(json_path: str | None, plot_path: str | None) -> None:
     """Fail before the run, not after it, when a result cannot be written."""
-    for flag, path in (("--json", args.json_path), ("--plot", args.plot_path)):
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise ConfigError(flag, path, "its directory does not exist")
 
@@ -168,7 +181,8 @@ def parse_config(argv: list[str]) -> BenchConfig:
     """Parse the command line. Raises UsageError (argparse) or ConfigError (bad value)."""
     args = build_parser().parse_args(argv)
     _check_counts(args)
-    _check_output_paths(args)
+    json_path = _json_path(args)
+    _check_output_paths(json_path, args.plot_path)
     validate_arrivals(args.request_rate, args.burstiness)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if not base_url.startswith(("http://", "https://")):
@@ -181,5 +195,5 @@ def parse_config(argv: list[str]) -> BenchConfig:
         max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, seed=args.seed,
         temperature=args.temperature, ignore_eos=args.ignore_eos, slo=_slo(args),
         percentiles=_percentiles(args.metric_percentiles), request_timeout_s=args.request_timeout,
-        json_path=args.json_path, plot_path=args.plot_path, show_progress=not args.disable_tqdm,
+        json_path=json_path, plot_path=args.plot_path, show_progress=not args.disable_tqdm,
     )

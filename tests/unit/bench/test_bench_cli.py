@@ -104,3 +104,10 @@ def test_console_script_runs_without_torch_or_a_traceback(serve, tmp_path):
     bad = subprocess.run([str(Path(sys.executable).parent / "pdserve"), "bench", "--slo", "x"],
                          capture_output=True, text=True, timeout=60)
     assert (bad.returncode, bad.stderr) == (2, "pdserve bench: error: --slo='x': expected METRIC=VALUE\n")
+
+
+def test_vllm_save_result_flags_name_the_json_file(serve, tmp_path):
+    server = serve()
+    assert main(["--base-url", server.base_url, *SMALL_RUN, "--save-result", "--result-dir", str(tmp_path),
+                 "--result-filename", "run.json"]) == 0
+    assert json.loads((tmp_path / "run.json").read_text())["completed"] == 12

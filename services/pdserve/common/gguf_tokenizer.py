@@ -33,8 +33,11 @@ def read_gguf_tokenizer(path: str, cache_dir: str | None = None) -> tuple[Backen
     """The tokenizer a GGUF file describes. With `cache_dir`, reuse or store the conversion there."""
     cached = _cache_paths(path, cache_dir) if cache_dir else None
     if cached and cached[0].is_file() and cached[1].is_file():
-        spec = TokenizerSpec.from_json(json.loads(cached[1].read_text(encoding="utf-8")))
-        return BackendTokenizer.from_file(str(cached[0])), spec
+        try:
+            spec = TokenizerSpec.from_json(json.loads(cached[1].read_text(encoding="utf-8")))
+            return BackendTokenizer.from_file(str(cached[0])), spec
+        except Exception:  # a damaged cache entry (tokenizers raises a bare Exception): convert again
+            pass
     backend, spec = _convert(GGUFReader(path))
     if cached:
         _write_atomically(cached[0], backend.to_str())

@@ -52,9 +52,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[dict[str, 
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         weight = _dequantize(tensor)
-        if name.endswith("q_proj.weight"):
+        if ".q_proj." in name:
             weight = unpermute_rope_rows(weight, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif ".k_proj." in name:
             weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
         tensors[name] = weight.to(dtype)
     return config, tensors
@@ -79,16 +79,17 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation, giving the HF (rotate-half) layout back.
+    """Undo llama.cpp's Q/K row permutation (weights and biases), giving the HF (rotate-half)
+    layout back.
 
     llama.cpp's converter reorders each head's rows from [first half | second half] to
     interleaved pairs (row i of the first half next to row i of the second). Per head:
         gguf rows: (half, 2)  →  hf rows: (2, half)
     """
-    rows, cols = weight.shape  # (num_heads * head_dim, hidden)
+    rows = weight.shape[0]  # weight (num_heads * head_dim, hidden) or bias (num_heads * head_dim,)
     half = rows // num_heads // 2
-    per_head = weight.reshape(num_heads, half, 2, cols)  # (nh, half, 2, hidden)
-    return per_head.transpose(1, 2).reshape(rows, cols)  # (nh * 2 * half, hidden)
+    per_head = weight.reshape(num_heads, half, 2, -1)  # (nh, half, 2, hidden or 1)
+    return per_head.transpose(1, 2).reshape(weight.shape)  # (nh * 2 * half, ...)
 
 
 def _dequantize(tensor: ReaderTensor) -> torch.Tensor:

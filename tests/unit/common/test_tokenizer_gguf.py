@@ -76,6 +76,16 @@ def test_cached_conversion_is_reused_and_identical(smollm_gguf_path, smollm_toke
     assert (second.bos_token_id, second.eos_token_ids) == (1, (2,))
 
 
+def test_damaged_cache_entry_is_converted_again(tmp_path):
+    write_tokenizer_gguf(tmp_path / "t.gguf", "gpt2", "gpt2")
+    cache = tmp_path / "cache"
+    load_tokenizer(str(tmp_path / "t.gguf"), cache_dir=str(cache))
+    cached_json = next(cache.glob("*.tokenizer.json"))
+    cached_json.write_text("{damaged")
+    assert load_tokenizer(str(tmp_path / "t.gguf"), cache_dir=str(cache)).encode("abab") == [2, 2]
+    assert json.loads(cached_json.read_text())["model"]["type"] == "BPE"  # rewritten
+
+
 def test_importing_and_using_the_tokenizer_never_imports_torch(smollm_gguf_path):
     code = (
         "import sys; from pdserve.common.tokenizer import load_tokenizer; "

@@ -122,6 +122,19 @@ def test_unpermute_inverts_llama_cpp_permute_for_every_head_count():
         assert torch.equal(unpermute_rope_rows(permuted, num_heads), torch.from_numpy(weight))
 
 
+def test_qk_biases_are_unpermuted_too(tmp_path):
+    rng = np.random.default_rng(1)
+    q_bias = rng.standard_normal(NUM_HEADS * HEAD_DIM, dtype=np.float32)
+    k_bias = rng.standard_normal(NUM_KV_HEADS * HEAD_DIM, dtype=np.float32)
+    extra = [("blk.0.attn_q.bias", llama_cpp_permute(q_bias[:, None], NUM_HEADS)[:, 0]),
+             ("blk.0.attn_k.bias", llama_cpp_permute(k_bias[:, None], NUM_KV_HEADS)[:, 0])]
+    write_gguf(tmp_path / "m.gguf", make_hf_weights(untied=False), extra=extra)
+    config, tensors = load_gguf(str(tmp_path / "m.gguf"))
+    assert config["attention_bias"] is True
+    assert torch.equal(tensors["model.layers.0.self_attn.q_proj.bias"], torch.from_numpy(q_bias))
+    assert torch.equal(tensors["model.layers.0.self_attn.k_proj.bias"], torch.from_numpy(k_bias))
+
+
 def test_other_architectures_raise_config_error_naming_it(tmp_path):
     write_gguf(tmp_path / "m.gguf", make_hf_weights(untied=False), arch="qwen2")
     with pytest.raises(ConfigError) as err:

@@ -1,0 +1,78 @@
+"""`pdserve worker`: resolve the settings, build the engine, serve it over gRPC until
+SIGINT or SIGTERM, then drain for at most `--drain-timeout` seconds and exit."""
+import asyncio
+import logging
+import signal
+import sys
+
+from pdserve.common.errors import ConfigError
+from pdserve.common.settings import WorkerSettings, resolve_worker_settings
+from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.weights import load_model_config, resolve_device
+from pdserve.kvcache import KvCacheConfig
+from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine
+from pdserve.worker.server import serve_until_stopped
+
+log = logging.getLogger("pdserve.worker")
+
+# On CPU, a fraction of the machine's RAM would take most of it; without an explicit KV size
+# (--kv-cache-memory / --max-kv-tokens) a CPU worker's KV cache is capped at this.
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def engine_spec(settings: WorkerSettings) -> EngineSpec:
+    """What `bootstrap` builds the engine from; `max_model_len` None → the model's context length."""
+    device = None if settings.device == "auto" else settings.device
+    is_sized = settings.kv_cache_memory is not None or settings.max_kv_tokens is not None
+    on_cpu_unsized = not is_sized and resolve_device(device).type == "cpu"
+    kv = KvCacheConfig(
+        max_tokens=settings.max_kv_tokens,
+        max_total_bytes=CPU_DEFAULT_KV_BYTES if on_cpu_unsized else settings.kv_cache_memory,
+        free_memory_fraction=settings.gpu_memory_utilization,
+        tokens_per_block=settings.block_size,
+        enable_block_reuse=settings.enable_prefix_caching,
+    )
+    max_model_len = settings.max_model_len or load_model_config(settings.model).max_position_embeddings
+    scheduler = SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens, max_model_len)
+    return EngineSpec(
+        model=settings.model, served_model_name=settings.model_name, role=settings.role,
+        dtype=settings.dtype, device=device, kv_cache_dtype=settings.kv_cache_dtype, kv=kv,
+        scheduler=scheduler, num_threads=settings.num_threads,
+    )
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run_worker(settings: WorkerSettings) -> None:
+    """Build and start the engine, serve it until a signal, then stop both."""
+    engine = build_threaded_engine(engine_spec(settings))
+    engine.start()
+    try:
+        log.info("serving %s (role %s) on %s:%d", settings.model_name, settings.role,
+                 settings.host, settings.port)
+        await serve_until_stopped(engine, settings.host, settings.port, _stop_on_signals(),
+                                  settings.drain_timeout_s)
+    finally:
+        engine.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = resolve_worker_settings(argv)
+        logging.basicConfig(level=settings.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        asyncio.run(run_worker(settings))
+    except ConfigError as exc:
+        print(f"pdserve worker: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

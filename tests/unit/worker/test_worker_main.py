@@ -1,0 +1,35 @@
+"""How `pdserve worker` turns its settings into the engine's build spec."""
+from pdserve.common.model_source import default_model_path
+from pdserve.common.settings import resolve_worker_settings
+from pdserve.common.stats import WorkerRole
+from pdserve.worker.__main__ import CPU_DEFAULT_KV_BYTES, engine_spec
+
+NO_ENV: dict[str, str] = {}
+
+
+def test_spec_carries_every_setting() -> None:
+    settings = resolve_worker_settings(
+        ["--role", "decode", "--served-model-name", "tiny", "--device", "cpu", "--dtype", "float32",
+         "--kv-cache-dtype", "fp8", "--block-size", "32", "--max-model-len", "512", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--kv-cache-memory", "64MiB",
+         "--max-kv-tokens", "4096", "--gpu-memory-utilization", "0.5", "--num-threads", "1"], NO_ENV)
+    spec = engine_spec(settings)
+    assert (spec.model, spec.served_model_name, spec.role) == (default_model_path(), "tiny", WorkerRole.DECODE)
+    assert (spec.device, spec.dtype, spec.kv_cache_dtype, spec.num_threads) == ("cpu", "float32", "fp8", 1)
+    assert (spec.kv.max_total_bytes, spec.kv.max_tokens, spec.kv.free_memory_fraction) == (64 << 20, 4096, 0.5)
+    assert (spec.kv.tokens_per_block, spec.kv.enable_block_reuse) == (32, False)
+    assert (spec.scheduler.max_num_seqs, spec.scheduler.max_num_batched_tokens) == (8, 256)
+    assert spec.scheduler.max_model_len == 512
+
+
+def test_unsized_cpu_cache_is_capped_and_context_comes_from_the_model() -> None:
+    spec = engine_spec(resolve_worker_settings(["--device", "cpu"], NO_ENV))
+    assert (spec.kv.max_total_bytes, spec.kv.max_tokens) == (CPU_DEFAULT_KV_BYTES, None)
+    assert spec.scheduler.max_model_len == 8192  # SmolLM2-135M's context length
+    assert spec.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_explicit_token_limit_replaces_the_cpu_cap() -> None:
+    spec = engine_spec(resolve_worker_settings(
+        ["--device", "cpu", "--max-kv-tokens", "2048", "--max-model-len", "1024"], NO_ENV))
+    assert (spec.kv.max_total_bytes, spec.kv.max_tokens) == (None, 2048)

@@ -1,0 +1,26 @@
+"""`pdserve router`'s exit statuses for settings it refuses and a worker it cannot reach."""
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.router.__main__ import main
+
+
+def test_bad_setting_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--port", "0"]) == 2
+    assert capsys.readouterr().err == "pdserve router: --port=0: must be in 1..65535\n"
+
+
+def test_more_than_one_worker_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--worker", "127.0.0.1:1,127.0.0.1:2"]) == 2
+    assert capsys.readouterr().err == (
+        "pdserve router: workers='127.0.0.1:1,127.0.0.1:2': the router serves exactly one worker\n")
+
+
+def test_unreachable_worker_exits_1_after_the_wait() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "router", "--worker", "127.0.0.1:1", "--worker-wait-timeout", "0.5"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.startswith("pdserve router: worker 127.0.0.1:1 unavailable: ")

@@ -1,0 +1,99 @@
+"""pdserve types ↔ protobuf: exact round trips, and typed errors for what protobuf cannot carry."""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdserve.common.errors import InvalidRequestError, WorkerError
+from pdserve.common.ids import RequestId
+from pdserve.common.request import (
+    GenerationRequest,
+    MultimodalSpan,
+    PriorityRange,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
+from pdserve.rpc import convert
+from pdserve.rpc.gen import request_pb2, worker_pb2
+
+u32 = st.integers(0, 2**32 - 1)
+finite = st.floats(allow_nan=False)
+text = st.text(max_size=8)
+
+sampling = st.builds(
+    SamplingParams, max_tokens=u32, temperature=finite, top_p=finite, top_k=u32,
+    seed=st.none() | st.integers(-(2**63), 2**63 - 1), stop=st.lists(text, max_size=3).map(tuple),
+    stop_token_ids=st.lists(u32, max_size=3).map(tuple), ignore_eos=st.booleans(), n=u32,
+    logprobs=st.none() | u32, include_stop_str_in_output=st.booleans(),
+)
+requests = st.builds(
+    GenerationRequest,
+    request_id=text.map(RequestId),
+    prompt_token_ids=st.lists(u32, max_size=8).map(tuple),
+    sampling=sampling,
+    cache_salt=st.none() | text,
+    lora_id=st.none() | st.integers(-(2**63), 2**63 - 1),
+    priorities=st.lists(st.builds(PriorityRange, u32, u32, u32, st.none() | finite), max_size=3).map(tuple),
+    multimodal=st.lists(st.builds(MultimodalSpan, st.binary(max_size=8), u32, u32), max_size=2).map(tuple),
+)
+logprobs = st.builds(TokenLogprob, u32, finite, st.lists(st.tuples(u32, finite), max_size=3).map(tuple))
+outputs = st.builds(
+    RequestOutput,
+    request_id=text.map(RequestId), index=u32, token_ids=st.lists(u32, max_size=4).map(tuple), text=text,
+    logprobs=st.lists(logprobs, max_size=2).map(tuple),
+    finish_reason=st.sampled_from([None, "stop", "length", "abort", "error"]),
+    num_prompt_tokens=u32, num_cached_tokens=u32, error=st.none() | text,
+)
+
+
+@given(requests)
+def test_request_round_trips(request: GenerationRequest) -> None:
+    wire = convert.request_to_proto(request).SerializeToString()
+    assert convert.request_from_proto(request_pb2.GenerateRequest.FromString(wire)) == request
+
+
+@given(outputs)
+def test_output_round_trips(output: RequestOutput) -> None:
+    wire = convert.output_to_proto(output).SerializeToString()
+    assert convert.output_from_proto(request_pb2.RequestOutput.FromString(wire)) == output
+
+
+def test_stats_and_info_round_trip() -> None:
+    stats = EngineStats(1, 2, 3, 4, 5, 6, 7, 8, 9)
+    info = ModelInfo("m", 2048, 16, "sha256-v1", WorkerRole.PREFILL, 49152, (0, 2))
+    assert convert.stats_from_proto(convert.stats_to_proto(stats)) == stats
+    assert convert.info_from_proto(convert.info_to_proto(info)) == info
+
+
+def test_request_without_sampling_gets_sampling_defaults() -> None:
+    message = request_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2])
+    assert convert.request_from_proto(message) == GenerationRequest(RequestId("r"), (1, 2))
+
+
+@pytest.mark.parametrize(
+    ("request_", "param"),
+    [
+        (GenerationRequest(RequestId("r"), (1, -5)), "prompt_token_ids"),
+        (GenerationRequest(RequestId("r"), (2**32,)), "prompt_token_ids"),
+        (GenerationRequest(RequestId("r"), (1,), SamplingParams(top_k=-1)), "sampling"),
+        (GenerationRequest(RequestId("r"), (1,), priorities=(PriorityRange(-1, 4, 50),)), "priorities"),
+    ],
+)
+def test_values_protobuf_cannot_carry_are_invalid_requests(request_: GenerationRequest, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        convert.request_to_proto(request_)
+    assert caught.value.param == param
+
+
+def test_unknown_finish_reason_is_refused_before_sending() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        convert.output_to_proto(RequestOutput(RequestId("r"), 0, (1,), "x", finish_reason="done"))
+    assert caught.value.param == "finish_reason"
+
+
+def test_enum_values_from_a_newer_worker_are_worker_errors() -> None:
+    with pytest.raises(WorkerError, match="finish_reason=9"):
+        convert.output_from_proto(request_pb2.RequestOutput(request_id="r", finish_reason=9))
+    with pytest.raises(WorkerError, match="role=0"):
+        convert.info_from_proto(worker_pb2.ModelInfo(model_name="m"))

@@ -49,7 +49,8 @@ def _convert(reader: GGUFReader) -> tuple[BackendTokenizer, TokenizerSpec]:
     meta = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
     model_type = meta.get("tokenizer.ggml.model")
     if model_type != "gpt2":
-        raise ConfigError("tokenizer.ggml.model", model_type, "only byte-level BPE ('gpt2') GGUF tokenizers are supported")
+        raise ConfigError("tokenizer.ggml.model", model_type,
+                          "only byte-level BPE ('gpt2') GGUF tokenizers are supported")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
     backend = BackendTokenizer(models.BPE(vocab=_byte_level_vocab(tokens), merges=merges, fuse_unk=False))

@@ -133,7 +133,8 @@ def _llama_config(reader: GGUFReader) -> dict[str, Any]:
 def _check_rope(reader: GGUFReader, head_dim: int) -> None:
     rope_dim = _field(reader, "llama.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise ConfigError("llama.rope.dimension_count", rope_dim, f"partial rotary (head_dim={head_dim}) is not supported")
+        raise ConfigError("llama.rope.dimension_count", rope_dim,
+                          f"partial rotary (head_dim={head_dim}) is not supported")
     scaling = _field(reader, "llama.rope.scaling.type", "none")
     if scaling != "none":
         raise ConfigError("llama.rope.scaling.type", scaling, "rope scaling from GGUF is not supported")

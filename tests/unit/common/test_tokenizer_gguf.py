@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve.common.errors import ConfigError
+from pdserve.common.gguf_tokenizer import _pre_tokenizer
 from pdserve.common.tokenizer import load_tokenizer
 
 TEXTS = [
@@ -97,14 +98,17 @@ def test_importing_and_using_the_tokenizer_never_imports_torch(smollm_gguf_path)
     assert out.stdout.strip() == "[6004] False"
 
 
-def write_tokenizer_gguf(path, model: str, pre: str) -> None:
+def write_tokenizer_gguf(path, model: str, pre: str, add_bos: bool = False) -> None:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_list(["a", "b", "ab", "<s>"])
     writer.add_token_merges(["a b"])
-    writer.add_token_types([1, 1, 1])
-    writer.add_tensor("token_embd.weight", np.zeros((3, 4), dtype=np.float32))
+    writer.add_token_types([1, 1, 1, 3])
+    if add_bos:
+        writer.add_uint32("tokenizer.ggml.bos_token_id", 3)
+        writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -117,6 +121,25 @@ def test_tiny_gguf_tokenizer_merges(tmp_path):
     assert tokenizer.encode("abab") == [2, 2]
     assert tokenizer.encode("ba") == [1, 0]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.has_chat_template) == (None, (), False)
+
+
+def test_add_bos_token_flag_adds_bos_with_special_tokens(tmp_path):
+    write_tokenizer_gguf(tmp_path / "t.gguf", "gpt2", "gpt2", add_bos=True)
+    tokenizer = load_tokenizer(str(tmp_path / "t.gguf"))
+    assert tokenizer.encode("ab") == [3, 2]
+    assert tokenizer.encode("ab", add_special_tokens=False) == [2]
+    assert tokenizer.encode("<s>b", add_special_tokens=False) == [3, 1]
+    assert tokenizer.decode([3, 2]) == "ab"
+    assert tokenizer.bos_token_id == 3
+
+
+@pytest.mark.parametrize(("name", "pieces"), [
+    ("gpt2", ["I", "'m", "Ġ12345", "Ġok"]),
+    ("smollm", ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġok"]),
+    ("llama-bpe", ["I", "'m", "Ġ", "123", "45", "Ġok"]),
+])
+def test_pre_tokenizers_split_like_llama_cpp(name, pieces):
+    assert [piece for piece, _ in _pre_tokenizer(name).pre_tokenize_str("I'm 12345 ok")] == pieces
 
 
 @pytest.mark.parametrize(("model", "pre", "field"), [

@@ -7,7 +7,8 @@ from pdserve.common.errors import ConfigError
 from pdserve.common.tokenizer import load_tokenizer
 
 TEXTS = ["Hello world", "héllo 世界 🎉", "<|im_start|>user\nHi<|im_end|>", " 12 ½"]
-CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"}]
 
 
 @pytest.fixture
@@ -43,7 +44,8 @@ def test_chat_template_jinja_file_wins_over_config(hf_dir):
 
 @pytest.mark.parametrize("template", [
     "{{ bos_token }}{{ messages | length }}",
-    [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ bos_token }}{{ messages | length }}"}],
+    [{"name": "tool_use", "template": "tools"},
+     {"name": "default", "template": "{{ bos_token }}{{ messages | length }}"}],
 ])
 def test_chat_template_from_tokenizer_config(hf_dir, template):
     (hf_dir / "chat_template.jinja").unlink()

@@ -1,0 +1,145 @@
+"""Two real processes move KV blocks of real torch tensors over NIXL/UCX on loopback.
+
+This process plays prefill; `nixl_peer.serve` in a spawned process plays decode (and hosts
+a second transport with a mismatched layout). Every wait is bounded.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from nixl_peer import DECODE, NUM_BLOCKS, ODD, SPEC, peer_kv, serve
+from pdserve.common.errors import IncompatiblePeerError, TransferError
+from pdserve.common.ids import BlockId, WorkerId
+from pdserve.transfer.interface import TransferState
+from pdserve.transfer.nixl_transport import NixlTransport
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+PREFILL = WorkerId("prefill")
+REPLY_TIMEOUT_S = 20.0
+TRANSFER_TIMEOUT_S = 10.0
+
+
+class Peer:
+    """The decode process and its pipe; every receive is bounded."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection) -> None:
+        self.process = process
+        self.conn = conn
+        self.notifications: list[tuple[str, bytes]] = []
+        if not conn.poll(REPLY_TIMEOUT_S):
+            raise TimeoutError(f"peer sent no metadata within {REPLY_TIMEOUT_S} s")
+        self.decode_metadata, self.odd_metadata = conn.recv()
+
+    def recv(self, kind: str) -> tuple:
+        """The next message of `kind`, collecting notifications that arrive before it."""
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while self.conn.poll(max(0.0, deadline - time.monotonic())):
+            message = self.conn.recv()
+            if message[0] == "notification":
+                self.notifications.append(message[1:])
+            if message[0] == kind:
+                return message
+        raise TimeoutError(f"peer sent no {kind!r} within {REPLY_TIMEOUT_S} s")
+
+    def snapshot(self) -> torch.Tensor:
+        self.conn.send(("snapshot",))
+        return self.recv("snapshot")[1]
+
+
+@pytest.fixture
+def peer() -> Iterator[Peer]:
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    process = context.Process(target=serve, args=(child_conn,), daemon=True)
+    process.start()
+    try:
+        yield Peer(process, conn)
+    finally:
+        stop(process, conn)
+
+
+def stop(process: multiprocessing.process.BaseProcess, conn: Connection) -> None:
+    if process.is_alive():
+        conn.send(("exit",))
+        process.join(timeout=10)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=10)
+
+
+@pytest.fixture
+def prefill_kv() -> torch.Tensor:
+    return peer_kv(SPEC, seed=7)
+
+
+@pytest.fixture
+def prefill(prefill_kv: torch.Tensor) -> Iterator[NixlTransport]:
+    with NixlTransport(PREFILL, prefill_kv, SPEC) as transport:
+        yield transport
+
+
+def blocks(ids: list[int]) -> list[BlockId]:
+    return [BlockId(i) for i in ids]
+
+
+def test_written_blocks_land_byte_for_byte_and_others_stay(peer: Peer, prefill: NixlTransport) -> None:
+    prefill.add_peer(DECODE, peer.decode_metadata)
+    local, remote = [3, 0, 7, 12, 13], [9, 2, 14, 5, 6]
+    handle = prefill.write_blocks(DECODE, blocks(local), blocks(remote), b"req-1", TRANSFER_TIMEOUT_S)
+    prefill.wait(handle)
+    assert prefill.poll(handle) is TransferState.DONE
+    prefill.release(handle)
+    peer.recv("notification")
+    after = peer.snapshot()
+
+    source, original = peer_kv(SPEC, seed=7), peer_kv(SPEC, seed=1)
+    expected = original.clone()
+    expected[remote] = source[local]
+    assert after.view(torch.uint8).equal(expected.view(torch.uint8))
+    assert peer.notifications == [("prefill", b"req-1")]
+
+
+def test_read_blocks_copies_the_peers_blocks(peer: Peer, prefill: NixlTransport,
+                                             prefill_kv: torch.Tensor) -> None:
+    prefill.add_peer(DECODE, peer.decode_metadata)
+    handle = prefill.read_blocks(DECODE, blocks([15, 1]), blocks([4, 11]), b"", TRANSFER_TIMEOUT_S)
+    prefill.wait(handle)
+    prefill.release(handle)
+
+    expected, original = peer_kv(SPEC, seed=7), peer_kv(SPEC, seed=1)
+    expected[[4, 11]] = original[[15, 1]]
+    assert prefill_kv.view(torch.uint8).equal(expected.view(torch.uint8))
+    assert peer.snapshot().view(torch.uint8).equal(original.view(torch.uint8))
+
+
+def test_mismatched_layout_is_refused_naming_every_field(peer: Peer, prefill: NixlTransport) -> None:
+    with pytest.raises(IncompatiblePeerError) as raised:
+        prefill.add_peer(ODD, peer.odd_metadata)
+    assert str(raised.value) == (
+        "peer 'odd' has an incompatible KV layout; "
+        "dtype: local='bfloat16' remote='float16'; "
+        "tokens_per_block: local=4 remote=8; "
+        "bytes_per_block: local=512 remote=1024")
+    with pytest.raises(TransferError, match="unknown peer 'odd'"):
+        prefill.write_blocks(ODD, blocks([0]), blocks([0]), b"", TRANSFER_TIMEOUT_S)
+
+
+def test_transfer_to_a_vanished_peer_fails_within_its_timeout(peer: Peer, prefill: NixlTransport) -> None:
+    prefill.add_peer(DECODE, peer.decode_metadata)
+    peer.conn.send(("die",))
+    peer.process.join(timeout=REPLY_TIMEOUT_S)
+    assert peer.process.exitcode == 0
+
+    with pytest.raises(TransferError, match="'decode'"):
+        handle = prefill.write_blocks(DECODE, blocks([1, 2]), blocks([1, 2]), b"req-2", timeout_s=2.0)
+        prefill.wait(handle)
+    prefill.remove_peer(DECODE)
+    with pytest.raises(TransferError, match="unknown peer 'decode'"):
+        prefill.write_blocks(DECODE, blocks([1]), blocks([1]), b"", timeout_s=2.0)
+

@@ -235,3 +235,13 @@ def test_metrics_count_requests_and_expose_worker_figures(tokenizer: Tokenizer) 
     assert {"pdserve_num_requests_running 2.0", "pdserve_num_requests_waiting 1.0",
             "pdserve_kv_blocks_in_use 24.0", "pdserve_prefix_cache_queries_total 300.0",
             "pdserve_prefix_cache_hits_total 120.0", "pdserve_worker_stats_up 1.0"} <= lines
+
+
+def test_chat_stream_with_n_opens_every_choice_first(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], n=2, max_tokens=2, temperature=0.7,
+        seed=5, stream=True))
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]] == [(0, "assistant"), (1, "assistant")]
+    finished = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason == "length")
+    assert finished == [0, 1]
+    assert len(chunks) == 6  # two role chunks, then two tokens for each choice

@@ -187,3 +187,10 @@ def test_openai_client_raises_typed_errors(http: httpx.Client) -> None:
     assert bad_request.value.status_code == 400
     assert bad_request.value.body["param"] == "max_tokens"  # type: ignore[index]
     assert not_found.value.body["param"] == "model"  # type: ignore[index]
+
+
+def test_unprintable_or_huge_request_id_is_refused(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "r" * 300})
+    assert (response.status_code, response.json()) == (400, bad(
+        "X-Request-Id must be at most 256 printable characters", "X-Request-Id"))
+    assert response.headers["x-request-id"].startswith("cmpl-")

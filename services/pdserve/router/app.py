@@ -51,10 +51,14 @@ def create_app(
             await backend.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = ctx
     install_error_handlers(app)
     app.add_middleware(_CountRequests, metrics=ctx.metrics)
+    _add_generation_routes(app, ctx)
+    _add_status_routes(app, ctx)
+    return app
 
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _answer(request, ctx, create_completion, "cmpl")
@@ -63,6 +67,8 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await _answer(request, ctx, create_chat_completion, "chatcmpl")
 
+
+def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         card = ModelCard(id=ctx.model_name, max_model_len=ctx.info.max_model_len)
@@ -77,8 +83,6 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(await _stats(ctx)), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 async def _answer(request: Request, ctx: ServingContext, handler: Handler, id_prefix: str) -> Response:

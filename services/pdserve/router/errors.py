@@ -79,7 +79,8 @@ async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)  # registered for this type only
+    if not isinstance(exc, StarletteHTTPException):  # registered for this type only
+        return from_exception(exc).to_response()
     message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
     return ApiError(exc.status_code, message).to_response(headers=exc.headers)
 

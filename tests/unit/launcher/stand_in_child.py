@@ -1,0 +1,27 @@
+"""A stand-in for a worker or router process: `python stand_in_child.py READY_FILE MODE`.
+
+Modes: "serve" (ready at once, exits 0 on SIGINT/SIGTERM), "die-at-start" (exits 3 before
+ready), "never-ready", "ignore-signals" (ready, ignores SIGINT/SIGTERM), "die-later" (ready,
+then exits 4). Every mode exits on its own after 60 s, so no test can leave it behind.
+"""
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+ready_file, mode = Path(sys.argv[1]), sys.argv[2]
+if mode == "ignore-signals":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+if mode == "die-at-start":
+    sys.exit(3)
+if mode != "never-ready":
+    ready_file.write_text(str(os.getpid()))
+if mode == "die-later":
+    time.sleep(0.3)
+    sys.exit(4)
+time.sleep(60)

@@ -20,6 +20,8 @@ from pdserve.engine.gguf_loader import load_gguf
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 
+pytestmark = pytest.mark.slow  # loads the 135M model twice (~60 s on two CPU cores)
+
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:

@@ -40,7 +40,10 @@ class _Transfer(Generic[Token]):
 
 
 class KvTransportBase(KvTransport, Generic[Token]):
-    """Shared half of a transport over one block-major KV tensor `(N, L, 2, tpb, kvh, hd)`."""
+    """Shared half of a transport over one block-major KV tensor `(N, L, 2, tpb, kvh, hd)`.
+
+    `kv` is the engine's tensor, registered as is: the transport reads and writes it in place.
+    """
 
     def __init__(self, worker_id: WorkerId, kv: torch.Tensor, spec: KvLayoutSpec,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -48,7 +51,7 @@ class KvTransportBase(KvTransport, Generic[Token]):
         self.worker_id = worker_id
         self.spec = spec
         self.num_blocks = kv.shape[0]
-        self._kv = kv
+        self.kv = kv
         self._clock = clock
         self._lock = threading.Lock()
         self._peers: dict[WorkerId, PeerMetadata] = {}
@@ -93,12 +96,12 @@ class KvTransportBase(KvTransport, Generic[Token]):
     # ---- KvTransport ------------------------------------------------------------------------
 
     def local_metadata(self) -> bytes:
-        device = self._kv.device
+        device = self.kv.device
         mem_type = "DRAM" if device.type == "cpu" else "VRAM"
         with self._lock:
             self._check_open()
             blob = self._transport_blob()
-        return PeerMetadata(self.worker_id, self.spec, self.num_blocks, self._kv.data_ptr(),
+        return PeerMetadata(self.worker_id, self.spec, self.num_blocks, self.kv.data_ptr(),
                             mem_type, device.index or 0, blob).encode()
 
     def add_peer(self, peer_id: WorkerId, metadata: bytes) -> None:

@@ -134,3 +134,14 @@ def test_health_and_metrics_when_the_worker_does_not_answer(http: httpx.Client, 
         "param": None, "code": 503}})
     assert "pdserve_worker_stats_up 0.0" in metrics.text.splitlines()
     assert "pdserve_num_requests_running" not in metrics.text
+
+
+def test_client_disconnect_before_the_first_token_closes_the_worker_stream(
+        patient: tuple[str, WordBackend]) -> None:
+    url, backend = patient
+    backend.hang_after = 0
+    with httpx.Client(base_url=url, timeout=0.2) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert backend.closed_early.wait(WAIT_S)
+    assert backend.closed_ids == [backend.requests[0].request_id]

@@ -25,7 +25,15 @@ from pdserve.router.responses import (
     ChatTokenLogprob,
 )
 from pdserve.router.sampling import check_chat_supported
-from pdserve.router.serving import Event, MaxTokens, ServingContext, UsageCounter, collect, generation_requests
+from pdserve.router.serving import (
+    Event,
+    MaxTokens,
+    ServingContext,
+    UsageCounter,
+    collect,
+    generation_requests,
+    unless_disconnected,
+)
 from pdserve.router.streaming import SseResponse, prefetch, sse_frame
 
 
@@ -99,7 +107,7 @@ async def create_chat_completion(request: Request, ctx: ServingContext, response
         ctx, body, response_id, UsageCounter([prompt]), RequestTimer(ctx.metrics), LogprobFormatter(ctx.tokenizer)
     )
     if body.stream:
-        _, events = await prefetch(ctx.run(requests))
+        _, events = await unless_disconnected(request, prefetch(ctx.run(requests)))
         return SseResponse(_stream(state, events))
     for event in await collect(request, ctx.run(requests)):
         state.add(event)

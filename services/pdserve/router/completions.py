@@ -15,7 +15,15 @@ from pdserve.router.prompts import completion_prompts
 from pdserve.router.protocol import CompletionRequest
 from pdserve.router.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from pdserve.router.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_completion_supported
-from pdserve.router.serving import Event, MaxTokens, ServingContext, UsageCounter, collect, generation_requests
+from pdserve.router.serving import (
+    Event,
+    MaxTokens,
+    ServingContext,
+    UsageCounter,
+    collect,
+    generation_requests,
+    unless_disconnected,
+)
 from pdserve.router.streaming import SseResponse, prefetch, sse_frame
 
 
@@ -88,7 +96,7 @@ async def create_completion(request: Request, ctx: ServingContext, response_id: 
         ctx, body, response_id, UsageCounter(prompts), RequestTimer(ctx.metrics), LogprobFormatter(ctx.tokenizer)
     )
     if body.stream:
-        _, events = await prefetch(ctx.run(requests))
+        _, events = await unless_disconnected(request, prefetch(ctx.run(requests)))
         return SseResponse(_stream(state, events))
     for event in await collect(request, ctx.run(requests)):
         state.add(event)

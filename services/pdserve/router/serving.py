@@ -1,8 +1,9 @@
 """What completions and chat share: the serving context, request building, usage, collection."""
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -19,6 +20,7 @@ from pdserve.router.runner import StreamTimeouts, run_streams
 from pdserve.router.sampling import priority_ranges, resolve_max_tokens, sampling_params
 
 Event = tuple[int, RequestOutput]  # (prompt index, output)
+T = TypeVar("T")
 _CANCEL_TIMEOUT_S = 5.0
 
 
@@ -117,25 +119,30 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready; nobody is left to answer."""
 
 
+async def unless_disconnected(request: Request, work: Coroutine[object, object, T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (a run inside it
+    closes its backend streams, so the worker aborts) and `ClientGone` is raised."""
+    worker = asyncio.create_task(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({worker, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not worker.done():
+            worker.cancel()
+            await asyncio.wait({worker}, timeout=_CANCEL_TIMEOUT_S)
+    if worker.cancelled():
+        raise ClientGone()
+    return worker.result()
+
+
 async def collect(request: Request, events: AsyncIterator[Event]) -> list[Event]:
-    """Every event of a run; if the client disconnects first, the run is cancelled (its
-    backend streams closed, so the worker aborts) and `ClientGone` is raised."""
+    """Every event of a run, unless the client disconnects first (see `unless_disconnected`)."""
 
     async def drain() -> list[Event]:
         return [event async for event in events]
 
-    collector = asyncio.create_task(drain())
-    watcher = asyncio.create_task(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not collector.done():
-            collector.cancel()
-            await asyncio.wait({collector}, timeout=_CANCEL_TIMEOUT_S)
-    if collector.cancelled():
-        raise ClientGone()
-    return collector.result()
+    return await unless_disconnected(request, drain())
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -20,6 +20,7 @@ from pdserve.router.backend import GenerateBackend
 from pdserve.router.chat import create_chat_completion
 from pdserve.router.completions import create_completion
 from pdserve.router.errors import ApiError, from_exception, install_error_handlers
+from pdserve.router.logprobs import LogprobFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prompts import PromptTokenizer
 from pdserve.router.responses import ModelCard, ModelList
@@ -41,7 +42,8 @@ def create_app(
     limits: ApiLimits = ApiLimits(),
 ) -> FastAPI:
     """An app serving `info`'s model (under `model_name` if given); it closes `backend` on shutdown."""
-    ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics())
+    ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics(),
+                         LogprobFormatter(tokenizer))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

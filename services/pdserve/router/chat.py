@@ -104,7 +104,7 @@ async def create_chat_completion(request: Request, ctx: ServingContext, response
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     requests = generation_requests(ctx, body, [prompt], response_id, max_tokens, logprobs)
     state = _Chat(
-        ctx, body, response_id, UsageCounter([prompt]), RequestTimer(ctx.metrics), LogprobFormatter(ctx.tokenizer)
+        ctx, body, response_id, UsageCounter([prompt]), RequestTimer(ctx.metrics), ctx.logprobs
     )
     if body.stream:
         _, events = await unless_disconnected(request, prefetch(ctx.run(requests)))

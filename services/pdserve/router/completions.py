@@ -93,7 +93,7 @@ async def create_completion(request: Request, ctx: ServingContext, response_id: 
     max_tokens = MaxTokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
     requests = generation_requests(ctx, body, prompts, response_id, max_tokens, body.logprobs)
     state = _Completion(
-        ctx, body, response_id, UsageCounter(prompts), RequestTimer(ctx.metrics), LogprobFormatter(ctx.tokenizer)
+        ctx, body, response_id, UsageCounter(prompts), RequestTimer(ctx.metrics), ctx.logprobs
     )
     if body.stream:
         _, events = await unless_disconnected(request, prefetch(ctx.run(requests)))

@@ -2,7 +2,7 @@
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -12,6 +12,7 @@ from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import ModelInfo
 from pdserve.router.backend import GenerateBackend
 from pdserve.router.errors import ApiError, bad_request
+from pdserve.router.logprobs import LogprobFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prompts import Prompt, PromptTokenizer
 from pdserve.router.protocol import SamplingBody
@@ -41,7 +42,8 @@ class ServingContext:
     info: ModelInfo
     model_name: str
     limits: ApiLimits
-    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    metrics: RouterMetrics
+    logprobs: LogprobFormatter  # shared, so its token-text cache serves every request
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:

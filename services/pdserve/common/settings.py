@@ -110,7 +110,8 @@ class RouterSettings:
     """The HTTP router: where it listens, what it tokenizes with, which workers it calls."""
 
     model: str = opt(factory=default_model_path, parse=cv.parse_str,
-                     help="model whose tokenizer and chat template the router uses (same as the worker's)")
+                     help="GGUF file or Hugging Face checkpoint directory, whose tokenizer and chat "
+                          "template the router uses (default: bundled SmolLM2-135M)")
     served_model_name: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                         help="model name in the API (default: the worker's)")
     host: str = opt("127.0.0.1", parse=cv.parse_str, help="HTTP listen address")

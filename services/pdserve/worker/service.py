@@ -7,6 +7,7 @@ failed), this servicer calls `engine.abort(request_id)`, so the request's blocks
 import asyncio
 import logging
 from contextlib import aclosing
+from typing import NoReturn
 
 import grpc
 
@@ -23,7 +24,7 @@ from pdserve.worker.engine_api import AsyncEngine
 log = logging.getLogger(__name__)
 
 
-async def _fail(context: grpc.aio.ServicerContext, exc: PdserveError) -> None:
+async def _fail(context: grpc.aio.ServicerContext, exc: PdserveError) -> NoReturn:
     """End the call with `exc`'s status. Always raises (grpc's AbortError)."""
     code, details, metadata = status_of(exc)
     await context.abort(code, details, trailing_metadata=metadata)
@@ -38,10 +39,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        try:
-            gen_request = convert.request_from_proto(request)
-        except PdserveError as exc:
-            await _fail(context, exc)
+        gen_request = convert.request_from_proto(request)
         try:
             await self._stream(gen_request, context)
         except DuplicateRequestError as exc:  # the id names another live request: leave it be

@@ -70,7 +70,8 @@ def format_table(metrics: BenchmarkMetrics, info: RunInfo) -> str:
              _line("Peak concurrent requests", metrics.max_concurrent_requests)]
     if info.slo is not None:
         bounds = ",".join(f"{k}={v:g}ms" for k, v in info.slo.as_dict().items())
-        lines += [_line(f"Request goodput, {bounds} (req/s)", f"{metrics.request_goodput:.2f}"),
+        lines += [_line("Goodput SLO", bounds),
+                  _line("Request goodput (req/s)", f"{metrics.request_goodput:.2f}"),
                   _line("SLO attainment (% of sent requests)", f"{100 * metrics.slo_attainment:.1f}")]
     for name, dist in metrics.latencies.items():
         lines += _distribution_lines(name, dist)

@@ -50,6 +50,7 @@ def test_table_lists_counts_goodput_and_each_percentile():
         "Mean TTFT (ms)", "Median TTFT (ms)", "P90 TTFT (ms)", "P99 TTFT (ms)"]
     goodput = next(line for line in table if line.startswith("Request goodput"))
     assert goodput.endswith(" 0.50")
+    assert next(line for line in table if line.startswith("Goodput SLO")).endswith(" ttft=150ms")
     assert next(line for line in table if line.startswith("SLO attainment")).endswith(" 50.0")
 
 

@@ -1,0 +1,35 @@
+"""The checked-in stubs in pdserve/rpc/gen were generated from today's proto files (`make proto`)."""
+from collections.abc import Iterable
+from pathlib import Path
+
+from google.protobuf import descriptor_pb2
+from grpc_tools import protoc
+
+from pdserve.rpc.gen import request_pb2, worker_pb2
+
+PROTO_ROOT = Path(__file__).resolve().parents[3] / "proto"
+
+
+def clear_json_names(messages: Iterable[descriptor_pb2.DescriptorProto]) -> None:
+    for message in messages:
+        for field in message.field:
+            field.ClearField("json_name")
+        clear_json_names(message.nested_type)
+
+
+def without_json_names(file: descriptor_pb2.FileDescriptorProto) -> descriptor_pb2.FileDescriptorProto:
+    """protoc's descriptor sets name each field's JSON spelling; generated modules leave it out."""
+    clear_json_names(file.message_type)
+    return file
+
+
+def test_checked_in_stubs_match_the_proto_files(tmp_path: Path) -> None:
+    descriptor_set = tmp_path / "descriptors.pb"
+    protos = sorted(str(p) for p in (PROTO_ROOT / "pdserve" / "v1").glob("*.proto"))
+    assert protoc.main(["protoc", f"-I{PROTO_ROOT}", f"--descriptor_set_out={descriptor_set}", *protos]) == 0
+    compiled = {f.name: without_json_names(f) for f in descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file}
+    checked_in = {
+        d.name: d for d in (descriptor_pb2.FileDescriptorProto.FromString(m.DESCRIPTOR.serialized_pb)
+                            for m in (request_pb2, worker_pb2))
+    }
+    assert checked_in == compiled

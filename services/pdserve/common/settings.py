@@ -29,6 +29,11 @@ DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def default_cache_dir() -> str:
+    """Where converted models (tokenizer, dequantized GGUF weights) are kept by default."""
+    return str(Path.home() / ".cache" / "pdserve")
+
+
 def opt(default: object = dataclasses.MISSING, *, help: str, parse: cv.Parser, flag: str | None = None,
         factory: object = dataclasses.MISSING) -> Any:
     """A settings field: its default, help text, parser and (when not its name) flag."""
@@ -78,6 +83,8 @@ class WorkerSettings:
     gpu_memory_utilization: float = opt(0.9, parse=cv.parse_float,
                                         help="fraction of free device memory (RAM on CPU) for the KV cache")
     num_threads: int | None = opt(None, parse=cv.optional(cv.parse_int), help="torch CPU threads")
+    cache_dir: str | None = opt(factory=default_cache_dir, parse=cv.optional(cv.parse_str),
+                                help="directory keeping GGUF conversions for fast restarts ('' turns it off)")
     drain_timeout_s: float = opt(5.0, parse=cv.parse_float, flag="drain-timeout",
                                  help="seconds running requests may finish after SIGTERM")
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
@@ -114,6 +121,8 @@ class RouterSettings:
                           "template the router uses (default: bundled SmolLM2-135M)")
     served_model_name: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                         help="model name in the API (default: the worker's)")
+    cache_dir: str | None = opt(factory=default_cache_dir, parse=cv.optional(cv.parse_str),
+                                help="directory keeping GGUF conversions for fast restarts ('' turns it off)")
     host: str = opt("127.0.0.1", parse=cv.parse_str, help="HTTP listen address")
     port: int = opt(8000, parse=cv.parse_int, help="HTTP listen port")
     workers: tuple[str, ...] = opt(("127.0.0.1:50051",), parse=cv.parse_addresses, flag="worker",
@@ -240,13 +249,13 @@ def resolve_serve_settings(argv: Sequence[str] | None = None,
 
 
 def to_argv(settings: WorkerSettings | RouterSettings) -> list[str]:
-    """Flags that resolve back to `settings` (fields left None are left out)."""
+    """Flags that resolve back to `settings` (a field left None is passed as '', which unsets it)."""
     argv = []
     for o in cv.options_of(type(settings), ""):
         value = getattr(settings, o.targets[0][1])
         if value is None:
-            continue
-        if o.is_bool:
+            argv += [f"--{o.flag}", ""]
+        elif o.is_bool:
             argv.append(f"--{o.flag}" if value else f"--no-{o.flag}")
         else:
             argv += [f"--{o.flag}", ",".join(value) if isinstance(value, tuple) else str(value)]

@@ -165,3 +165,12 @@ def test_to_argv_round_trips_against_a_hostile_environment(tmp_path: Path) -> No
     assert resolve_worker_settings(to_argv(worker), env) == worker
     router = RouterSettings(model="/m/x.gguf", workers=("a:1", "b:2"), served_model_name="x")
     assert resolve_router_settings(to_argv(router), NO_ENV) == router
+
+
+def test_cache_dir_defaults_under_home_and_an_empty_value_turns_it_off() -> None:
+    assert resolve_worker_settings([], NO_ENV).cache_dir == str(Path.home() / ".cache" / "pdserve")
+    assert resolve_router_settings(["--cache-dir", ""], NO_ENV).cache_dir is None
+    serve = resolve_serve_settings(["--cache-dir", "/c"], NO_ENV)
+    assert (serve.worker.cache_dir, serve.router.cache_dir) == ("/c", "/c")
+    worker = WorkerSettings(model="/m/x.gguf", cache_dir=None)
+    assert resolve_worker_settings(to_argv(worker), {"PDSERVE_CACHE_DIR": "/elsewhere"}) == worker

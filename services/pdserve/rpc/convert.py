@@ -4,6 +4,7 @@ Every `*_to_proto` / `*_from_proto` pair round-trips exactly: `x_from_proto(x_to
 A value protobuf cannot carry (a negative token id, a token id past 2**32) raises
 `InvalidRequestError` naming the field, before anything is sent.
 """
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -39,7 +40,7 @@ _ROLE_TO_PROTO = {
 }
 _ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
 
-_STATS_FIELDS = EngineStats.__dataclass_fields__.keys()
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
 
 M = TypeVar("M", bound=Message)
 K = TypeVar("K")
@@ -80,7 +81,8 @@ def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
     )
 
 
-def request_to_proto(request: GenerationRequest) -> rpb.GenerateRequest:
+def request_to_proto(request: GenerationRequest, prefill_worker: str | None = None) -> rpb.GenerateRequest:
+    """`prefill_worker`: the address of the prefill worker a decode worker should use."""
     priorities = [_checked(rpb.PriorityRange, "priorities", start=p.start, end=p.end,
                            priority=p.priority, duration_s=p.duration_s)
                   for p in request.priorities]
@@ -91,8 +93,12 @@ def request_to_proto(request: GenerationRequest) -> rpb.GenerateRequest:
         rpb.GenerateRequest, "prompt_token_ids",
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         cache_salt=request.cache_salt, lora_id=request.lora_id, priorities=priorities,
-        multimodal=multimodal, sampling=sampling_to_proto(request.sampling),
+        multimodal=multimodal, sampling=sampling_to_proto(request.sampling), prefill_worker=prefill_worker,
     )
+
+
+def prefill_worker_from_proto(msg: rpb.GenerateRequest) -> str | None:
+    return msg.prefill_worker if msg.HasField("prefill_worker") else None
 
 
 def request_from_proto(msg: rpb.GenerateRequest) -> GenerationRequest:

@@ -50,10 +50,11 @@ class GrpcBackend:
             self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         return self._stub
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Closing this iterator early (`aclose()`, or
-        cancelling the task iterating it) cancels the call, and the worker aborts the request."""
-        message = convert.request_to_proto(request)
+        cancelling the task iterating it) cancels the call, and the worker aborts the request.
+        `prefill_worker`: a prefill worker's address for this (decode) worker to use."""
+        message = convert.request_to_proto(request, prefill_worker)
         call = self._worker().Generate(message, timeout=self._generate_timeout_s)
         try:
             async for output in call:

@@ -65,11 +65,14 @@ class ThreadedEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                       prefill_only: bool = False, hold_lease_s: float = 30.0) -> AsyncIterator[RequestOutput]:
+        """Admit and stream the request. `prefill_worker` is ignored here (aggregated serving);
+        `prefill_only` stops after the first token and holds the blocks (see LLMEngine)."""
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
-        self._send(("add", request, stream, admitted))
+        self._send(("add", request, stream, admitted, prefill_only, hold_lease_s))
         try:
             await asyncio.wait_for(admitted, self._admit_timeout_s)
         except asyncio.TimeoutError:
@@ -138,9 +141,10 @@ class ThreadedEngine:
                 self._deliver(self._engine.abort(command[1]))
                 self._streams.pop(command[1], None)
 
-    def _add(self, request: GenerationRequest, stream: _Stream, admitted: asyncio.Future) -> None:
+    def _add(self, request: GenerationRequest, stream: _Stream, admitted: asyncio.Future,
+             prefill_only: bool, hold_lease_s: float) -> None:
         try:
-            self._engine.add_request(request)
+            self._engine.add_request(request, prefill_only, hold_lease_s)
         except Exception as exc:  # a typed error for the caller, raised in its own loop
             stream.loop.call_soon_threadsafe(_set_exception, admitted, exc)
             return

@@ -11,6 +11,9 @@ class AsyncEngine(Protocol):
     """One worker's engine, driven from the worker's event loop.
 
     Contracts:
+    - `prefill_worker` (a decode worker's option) names the prefill worker to compute the prompt
+      and push its KV; an engine without disaggregation, or one that judges the prompt better
+      prefilled locally, ignores it.
     - `generate` admits the request and yields its `RequestOutput` deltas; the iterator ends
       once each of the request's `n` completions has yielded an output with `finish_reason`.
       It raises `InvalidRequestError` for a request the engine cannot serve (prompt too long,
@@ -20,7 +23,7 @@ class AsyncEngine(Protocol):
     - `stats` and `info` return at once, without waiting for an engine step.
     """
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: RequestId) -> None: ...
 

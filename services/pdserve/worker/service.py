@@ -41,7 +41,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         gen_request = convert.request_from_proto(request)
         try:
-            await self._stream(gen_request, context)
+            await self._stream(gen_request, convert.prefill_worker_from_proto(request), context)
         except DuplicateRequestError as exc:  # the id names another live request: leave it be
             await _fail(context, exc)
         except PdserveError as exc:
@@ -52,9 +52,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise
 
     async def _stream(
-        self, request: GenerationRequest, context: grpc.aio.ServicerContext
+        self, request: GenerationRequest, prefill_worker: str | None, context: grpc.aio.ServicerContext
     ) -> None:
-        async with aclosing(self._engine.generate(request)) as outputs:
+        async with aclosing(self._engine.generate(request, prefill_worker)) as outputs:
             async for output in outputs:
                 await context.write(convert.output_to_proto(output))
 

@@ -69,7 +69,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "lora_id", "priorities", "multimodal")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "lora_id", "priorities", "multimodal", "prefill_worker")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class GenerateRequest(_message.Message):
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -84,7 +85,8 @@ class GenerateRequest(_message.Message):
     lora_id: int
     priorities: _containers.RepeatedCompositeFieldContainer[PriorityRange]
     multimodal: _containers.RepeatedCompositeFieldContainer[MultimodalSpan]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., priorities: _Optional[_Iterable[_Union[PriorityRange, _Mapping]]] = ..., multimodal: _Optional[_Iterable[_Union[MultimodalSpan, _Mapping]]] = ...) -> None: ...
+    prefill_worker: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., priorities: _Optional[_Iterable[_Union[PriorityRange, _Mapping]]] = ..., multimodal: _Optional[_Iterable[_Union[MultimodalSpan, _Mapping]]] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

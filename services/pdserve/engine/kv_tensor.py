@@ -10,6 +10,8 @@ workers as a single copy. Two flat views address it without Python loops:
 With `kv_cache_dtype="fp8"` values are stored as float8_e4m3fn divided by one per-tensor
 scale and multiplied back on read.
 """
+import math
+
 import torch
 
 from pdserve.common.errors import ConfigError, InvalidRequestError
@@ -58,6 +60,30 @@ def _check_tokens_per_block(tokens_per_block: int) -> None:
         raise ConfigError("tokens_per_block", tokens_per_block, "must be a power of two")
 
 
+class Scratch:
+    """Buffers reused across layers and steps, so a per-layer gather does not fault in fresh
+    pages every time (on CPU that costs more than the copy itself).
+
+    Contract: the tensor returned by `take(name, ...)` is overwritten by the next `take` of
+    the same name; callers finish with it before then.
+    """
+
+    __slots__ = ("device", "_buffers")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            # Headroom: decode contexts grow a block at a time.
+            buffer = torch.empty(numel + numel // 4, dtype=dtype, device=self.device)
+            self._buffers[name] = buffer
+        return buffer[:numel].view(shape)
+
+
 class PagedKvCache:
     """Owns the KV tensor; writes new tokens' K/V and gathers whole blocks back.
 
@@ -65,7 +91,7 @@ class PagedKvCache:
     add the layer's offset themselves, so one index tensor built per step serves all layers.
     """
 
-    __slots__ = ("tensor", "compute_dtype", "scale", "_token_rows", "_block_rows", "_block_bytes")
+    __slots__ = ("tensor", "compute_dtype", "scale", "scratch", "_token_rows", "_block_rows", "_block_bytes")
 
     def __init__(self, tensor: torch.Tensor, compute_dtype: torch.dtype, scale: float = 1.0) -> None:
         if scale <= 0:
@@ -73,11 +99,12 @@ class PagedKvCache:
         self.tensor = tensor  # (N, L, 2, tpb, kvh, hd)
         self.compute_dtype = compute_dtype
         self.scale = scale
+        self.scratch = Scratch(tensor.device)
         num_blocks, num_layers, _, tpb, kvh, hd = tensor.shape
         # index_copy_ has no float8 kernel; bytes move the same values.
         storage = tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor
-        self._token_rows = storage.view(num_blocks * num_layers * 2 * tpb, kvh, -1)
-        self._block_rows = tensor.view(num_blocks * num_layers * 2, tpb, kvh, hd)
+        self._token_rows = storage.view(num_blocks * num_layers * 2 * tpb, kvh, hd)
+        self._block_rows = storage.view(num_blocks * num_layers * 2, tpb, kvh, hd)
         self._block_bytes = tensor.view(torch.uint8).view(num_blocks, -1)
 
     @property
@@ -96,6 +123,11 @@ class PagedKvCache:
     def is_quantized(self) -> bool:
         return self.tensor.dtype == FP8_DTYPE
 
+    @property
+    def value_scale(self) -> float:
+        """What a gathered stored value is multiplied by to give the true value."""
+        return self.scale if self.is_quantized else 1.0
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_rows: torch.Tensor) -> None:
         """Store k, v (T, kvh, hd) at layer-0 token rows (T,) shifted to `layer`."""
         tpb = self.tokens_per_block
@@ -103,10 +135,24 @@ class PagedKvCache:
         self._token_rows.index_copy_(0, token_rows + (2 * layer + 1) * tpb, self._encode(v))
 
     def gather_blocks(self, layer: int, block_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """layer-0 block rows (M,) -> K, V each (M * tpb, kvh, hd) in the compute dtype."""
-        k = torch.index_select(self._block_rows, 0, block_rows + 2 * layer)
-        v = torch.index_select(self._block_rows, 0, block_rows + (2 * layer + 1))
-        return self._decode(k).flatten(0, 1), self._decode(v).flatten(0, 1)
+        """layer-0 block rows (M,) -> K, V each (M, tpb, kvh, hd), still in the storage dtype
+        (see `stored_view`), in scratch buffers valid until the next gather."""
+        shape = (block_rows.shape[0],) + tuple(self._block_rows.shape[1:])
+        dtype = self._block_rows.dtype
+        k = torch.index_select(self._block_rows, 0, block_rows + 2 * layer, out=self.scratch.take("k", shape, dtype))
+        v = torch.index_select(self._block_rows, 0, block_rows + (2 * layer + 1),
+                               out=self.scratch.take("v", shape, dtype))
+        return self.stored_view(k), self.stored_view(v)
+
+    def stored_view(self, x: torch.Tensor) -> torch.Tensor:
+        """Gathered storage as values: float8 when quantized (times `scale` = true value)."""
+        return x.view(FP8_DTYPE) if self.is_quantized else x
+
+    def dequantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Gathered values in the compute dtype (a no-op unless quantized)."""
+        if not self.is_quantized:
+            return x
+        return (x.float() * self.scale).to(self.compute_dtype)
 
     def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
         """Copy whole blocks (all layers, K and V) src_ids[i] -> dst_ids[i]."""
@@ -129,8 +175,3 @@ class PagedKvCache:
         # float8_e4m3fn has no infinity: out-of-range values would become NaN, so saturate.
         scaled = (x.float() / self.scale).clamp_(-FP8_MAX, FP8_MAX)
         return scaled.to(FP8_DTYPE).view(torch.uint8)
-
-    def _decode(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.is_quantized:
-            return x
-        return (x.float() * self.scale).to(self.compute_dtype)

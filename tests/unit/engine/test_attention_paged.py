@@ -61,7 +61,7 @@ def test_plan_rows_positions_and_decode_mask():
                                      [True, True, True, True, True]]
     assert plan.decode.token_index.tolist() == [3]
     assert plan.decode.block_rows.tolist() == [16, 0]  # block row = block * 2 layers * 2 kinds
-    assert plan.decode.mask.flatten().tolist() == [True] * 6 + [False] * 2
+    assert (plan.decode.bias == 0).flatten().tolist() == [True] * 6 + [False] * 2
 
 
 def test_plan_window_and_fresh_prefill():
@@ -71,7 +71,7 @@ def test_plan_window_and_fresh_prefill():
     [fresh] = plan.chunks
     assert fresh.block_rows is None  # nothing cached: attends to its own K/V
     assert fresh.mask.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
-    assert plan.decode.mask.view(2, 8).tolist() == [[False] * 4 + [True] * 3 + [False],
+    assert (plan.decode.bias == 0).view(2, 8).tolist() == [[False] * 4 + [True] * 3 + [False],
                                                     [True, True] + [False] * 6]
     assert plan_attention(batch, cache, sliding_window=None).chunks[0].mask is None
 
@@ -84,7 +84,7 @@ def test_write_lands_in_the_slot_and_gather_reads_it_back():
     assert torch.equal(cache.tensor[6, 1, 0, 1], k[0]) and torch.equal(cache.tensor[6, 1, 1, 1], v[0])
     assert torch.equal(cache.tensor[2, 1, 0, 3], k[1]) and torch.equal(cache.tensor[2, 1, 1, 3], v[1])
     assert int(cache.tensor[:, 0].count_nonzero()) == 0  # layer 0 untouched
-    gathered_k, gathered_v = cache.gather_blocks(1, torch.tensor([2 * 4, 6 * 4]))
+    gathered_k, gathered_v = (x.flatten(0, 1) for x in cache.gather_blocks(1, torch.tensor([2 * 4, 6 * 4])))
     assert gathered_k.shape == (2 * TPB, 2, 16)
     assert torch.equal(gathered_k[3], k[1]) and torch.equal(gathered_k[5], k[0])
     assert torch.equal(gathered_v[3], v[1]) and torch.equal(gathered_v[5], v[0])
@@ -94,9 +94,9 @@ def test_fp8_round_trip_exact_for_representable_values_and_saturating():
     cache = PagedKvCache(allocate_kv_tensor(CONFIG, 4, TPB, torch.float8_e4m3fn), torch.float32, scale=2.0)
     k = torch.tensor([1.0, -3.0, 0.25, 1000.0]).repeat(8).view(1, 2, 16)
     cache.write(0, k, -k, torch.tensor([3 * 16]))
-    gathered_k, gathered_v = cache.gather_blocks(0, torch.tensor([3 * 4]))
+    gathered_k, gathered_v = (cache.dequantize(x) for x in cache.gather_blocks(0, torch.tensor([3 * 4])))
     expected = torch.tensor([1.0, -3.0, 0.25, 896.0]).repeat(8).view(2, 16)  # 448 * scale 2 at most
-    assert torch.equal(gathered_k[0], expected) and torch.equal(gathered_v[0], -expected)
+    assert torch.equal(gathered_k[0, 0], expected) and torch.equal(gathered_v[0, 0], -expected)
     with pytest.raises(ConfigError, match="kv_scale"):
         PagedKvCache(cache.tensor, torch.float32, scale=0.0)
 

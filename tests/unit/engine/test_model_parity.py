@@ -99,9 +99,10 @@ def test_half_precision_stays_close(checkpoints, dtype):
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 
 
-def test_fp8_kv_cache_stays_close(checkpoints):
-    runner = load_runner(checkpoints["llama"], kv_cache_dtype="fp8")
+@pytest.mark.parametrize("size", [5, 1])
+def test_fp8_kv_cache_stays_close(checkpoints, size):
+    runner = load_runner(checkpoints["llama"], kv_cache_dtype="fp8", kv_scale=0.5)
     ids = prompt(PROMPT_LEN, seed=8)
-    logits = in_chunks(runner, ids, 5, [8, 9, 10, 11, 12, 13])
+    logits = in_chunks(runner, ids, size, [8, 9, 10, 11, 12, 13])
     assert runner.kv_tensor.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(logits, checkpoints["llama"].hf_logits(ids), atol=0.15, rtol=0.05)

@@ -1,0 +1,138 @@
+"""Time the model forward alone: prefill throughput and batched decode throughput.
+
+A random-weight Llama (default shape: the common 160M Llama, hidden 768, 12 layers,
+12 heads, intermediate 3072, vocab 32000) runs in bf16. Prefill computes every prompt in
+steps of at most `--prefill-budget` tokens; decode then runs `--decode-steps` steps with one
+new token for each of `--seqs` sequences per step, as a continuous batch would. Prints one
+JSON object (and writes it to `--out` when given).
+
+    .venv/bin/python benchmarks/model_forward.py --seqs 64 --prompt-len 128 --decode-steps 128
+"""
+import argparse
+import json
+import time
+
+import torch
+
+from pdserve.engine.batch import ForwardBatch, SeqChunk
+from pdserve.engine.kv_tensor import PagedKvCache, allocate_kv_tensor
+from pdserve.engine.model import CausalLM
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.runner import ModelRunner
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in [("hidden", 768), ("layers", 12), ("heads", 12), ("kv-heads", 12),
+                          ("intermediate", 3072), ("vocab", 32000), ("seqs", 64), ("prompt-len", 128),
+                          ("decode-steps", 128), ("prefill-budget", 2048), ("tokens-per-block", 16),
+                          ("threads", 0)]:
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    return p.parse_args()
+
+
+def random_runner(args: argparse.Namespace) -> ModelRunner:
+    config = ModelConfig.from_hf_config({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": args.vocab, "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "max_position_embeddings": 4096,
+    })
+    dtype, device = getattr(torch, args.dtype), torch.device("cpu")
+    shapes = {"model.embed_tokens.weight": (args.vocab, args.hidden), "model.norm.weight": (args.hidden,),
+              "lm_head.weight": (args.vocab, args.hidden)}
+    q, kv = args.heads * config.head_dim, args.kv_heads * config.head_dim
+    for i in range(args.layers):
+        for part, shape in [("input_layernorm", (args.hidden,)), ("post_attention_layernorm", (args.hidden,)),
+                            ("self_attn.q_proj", (q, args.hidden)), ("self_attn.k_proj", (kv, args.hidden)),
+                            ("self_attn.v_proj", (kv, args.hidden)), ("self_attn.o_proj", (args.hidden, q)),
+                            ("mlp.gate_proj", (args.intermediate, args.hidden)),
+                            ("mlp.up_proj", (args.intermediate, args.hidden)),
+                            ("mlp.down_proj", (args.hidden, args.intermediate))]:
+            shapes[f"model.layers.{i}.{part}.weight"] = shape
+    tensors = {name: (torch.randn(shape) * 0.02).to(dtype) for name, shape in shapes.items()}
+    max_len = args.prompt_len + args.decode_steps
+    num_blocks = args.seqs * -(-max_len // args.tokens_per_block)
+    storage = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dtype
+    cache = PagedKvCache(allocate_kv_tensor(config, num_blocks, args.tokens_per_block, storage), dtype)
+    return ModelRunner(CausalLM(config, tensors, device), cache, dtype, device)
+
+
+def block_tables(args: argparse.Namespace) -> list[tuple[int, ...]]:
+    """Sequence i owns blocks i, i + seqs, ...: scattered, like a pool after some churn."""
+    per_seq = -(-(args.prompt_len + args.decode_steps) // args.tokens_per_block)
+    return [tuple(range(i, per_seq * args.seqs, args.seqs)) for i in range(args.seqs)]
+
+
+def prefill(runner: ModelRunner, prompts: list[list[int]], tables, budget: int) -> float:
+    """Seconds to compute every prompt, whole prompts packed into steps of <= budget tokens."""
+    steps, current, used = [], [], 0
+    for i, tokens in enumerate(prompts):
+        if current and used + len(tokens) > budget:
+            steps.append(current)
+            current, used = [], 0
+        current.append(SeqChunk(str(i), tuple(tokens), 0, tables[i]))
+        used += len(tokens)
+    steps.append(current)
+    start = time.perf_counter()
+    for chunks in steps:
+        runner.forward(ForwardBatch(tuple(chunks)))
+    return time.perf_counter() - start
+
+
+def decode(runner: ModelRunner, prompt_len: int, tables, num_steps: int) -> list[float]:
+    """Per-step seconds of greedy decode of every sequence together."""
+    last = [1] * len(tables)
+    times = []
+    for step in range(num_steps):
+        pos = prompt_len + step
+        batch = ForwardBatch(tuple(SeqChunk(str(i), (last[i],), pos, t) for i, t in enumerate(tables)))
+        start = time.perf_counter()
+        out = runner.forward(batch)
+        last = [int(logits[-1].argmax()) for logits in out.logits]
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runner = random_runner(args)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, args.vocab, (args.seqs, args.prompt_len), generator=generator).tolist()
+    tables = block_tables(args)
+    prefill(runner, prompts[:2], tables, args.prefill_budget)  # warm up kernels and allocator
+    prefill_s = prefill(runner, prompts, tables, args.prefill_budget)
+    step_s = decode(runner, args.prompt_len, tables, args.decode_steps)
+    steady = sorted(step_s[1:] or step_s)
+    result = {
+        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
+        "params_m": round(sum(p.numel() for p in _weights(runner)) / 1e6, 1),
+        "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(),
+        "seqs": args.seqs, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
+        "prefill_tokens_per_s": round(args.seqs * args.prompt_len / prefill_s, 1),
+        "decode_tokens_per_s": round(args.seqs * args.decode_steps / sum(step_s), 1),
+        "decode_step_ms_p50": round(1e3 * steady[len(steady) // 2], 2),
+        "decode_step_ms_p90": round(1e3 * steady[int(len(steady) * 0.9)], 2),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+def _weights(runner: ModelRunner) -> list[torch.Tensor]:
+    model = runner.model
+    tensors = [model.embed, model.lm_head, model.norm.weight]
+    for layer in model.layers:
+        tensors += [layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down,
+                    layer.input_norm.weight, layer.post_norm.weight]
+    return tensors
+
+
+if __name__ == "__main__":
+    main()

@@ -97,3 +97,9 @@ def test_enum_values_from_a_newer_worker_are_worker_errors() -> None:
         convert.output_from_proto(request_pb2.RequestOutput(request_id="r", finish_reason=9))
     with pytest.raises(WorkerError, match="role=0"):
         convert.info_from_proto(worker_pb2.ModelInfo(model_name="m"))
+
+
+@pytest.mark.parametrize("prefill_worker", [None, "10.0.0.7:50051"])
+def test_prefill_worker_round_trips(prefill_worker: str | None) -> None:
+    message = convert.request_to_proto(GenerationRequest(RequestId("r"), (1,)), prefill_worker)
+    assert convert.prefill_worker_from_proto(message) == prefill_worker

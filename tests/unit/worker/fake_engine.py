@@ -41,10 +41,13 @@ class FakeEngine:
         self.fail_with = fail_with
         self.stats_error: Exception | None = None
         self.aborted: list[RequestId] = []
+        self.prefill_workers: list[str | None] = []  # what each generate call was told
         self.abort_seen = asyncio.Event()
         self.hanging = asyncio.Event()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest,
+                       prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.prefill_workers.append(prefill_worker)
         if self.fail_with is not None:
             raise self.fail_with
         for i, output in enumerate(expected_outputs(request)):

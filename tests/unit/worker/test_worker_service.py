@@ -53,7 +53,17 @@ def test_generate_streams_every_output_and_aborts_nothing() -> None:
         async with serving(engine) as (_, backend):
             outputs = [out async for out in backend.generate(request)]
         assert outputs == expected_outputs(request)
-        assert engine.aborted == []
+        assert (engine.aborted, engine.prefill_workers) == ([], [None])
+
+    run(scenario())
+
+
+def test_prefill_worker_reaches_the_engine() -> None:
+    async def scenario() -> None:
+        engine = FakeEngine()
+        async with serving(engine) as (_, backend):
+            [out async for out in backend.generate(make_request(), prefill_worker="10.0.0.7:50051")]
+        assert engine.prefill_workers == ["10.0.0.7:50051"]
 
     run(scenario())
 

@@ -31,7 +31,7 @@ class WordEngine:
     def __init__(self, backend: WordBackend) -> None:
         self.backend = backend
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
         return self.backend.generate(request)
 
     async def abort(self, request_id: RequestId) -> None:

@@ -28,6 +28,7 @@ Op = Literal["WRITE", "READ"]
 Token = TypeVar("Token")
 """What a backend returns for a posted transfer (a NIXL transfer handle, a fake record)."""
 
+_SPIN_S = 2e-3
 _MAX_POLL_SLEEP_S = 2e-4
 
 
@@ -138,8 +139,12 @@ class KvTransportBase(KvTransport, Generic[Token]):
             return self._refresh(self._record(handle)).state
 
     def wait(self, handle: TransferHandle) -> None:
-        sleep_s = 0.0
+        """Polls back to back for `_SPIN_S` (polling is what makes progress), then sleeps
+        between polls, backing off to `_MAX_POLL_SLEEP_S`."""
+        spin_until, sleep_s = time.perf_counter() + _SPIN_S, 0.0
         while (state := self.poll(handle)) is TransferState.PENDING:
+            if time.perf_counter() < spin_until:
+                continue
             time.sleep(sleep_s)
             sleep_s = min(2 * sleep_s + 1e-6, _MAX_POLL_SLEEP_S)
         if state is TransferState.FAILED:

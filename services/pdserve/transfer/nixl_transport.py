@@ -47,12 +47,16 @@ class NixlConfig:
 
     `error_handling_mode`: "peer" turns a vanished peer into an error instead of a hang;
     "none" lets UCX use transports that cannot detect that (deadlines still bound every wait).
+    `num_threads`: UCX backend threads that share large transfers (0: the caller's thread).
     `use_progress_thread`: NIXL's progress thread polls without sleeping and costs a core even
-    when idle; without it, progress happens in `poll`, `wait` and `drain_notifications`.
+    when idle; without it, progress happens in `poll`, `wait` and `drain_notifications`, so a
+    worker must call `drain_notifications` every loop iteration, idle or not: a peer's
+    connection and transfers towards us complete only while we make progress.
     """
 
     error_handling_mode: Literal["peer", "none"] = "peer"
     num_ucx_workers: int = 1
+    num_threads: int = 0
     use_progress_thread: bool = False
 
     def __post_init__(self) -> None:
@@ -60,6 +64,8 @@ class NixlConfig:
             raise ConfigError("error_handling_mode", self.error_handling_mode, "must be 'peer' or 'none'")
         if self.num_ucx_workers < 1:
             raise ConfigError("num_ucx_workers", self.num_ucx_workers, "must be at least 1")
+        if self.num_threads < 0:
+            raise ConfigError("num_threads", self.num_threads, "must not be negative")
 
 
 class NixlTransport(KvTransportBase[nixl_xfer_handle]):
@@ -71,10 +77,7 @@ class NixlTransport(KvTransportBase[nixl_xfer_handle]):
         with _nixl_errors("create the NIXL agent"):
             self._agent = nixl_agent(worker_id, nixl_agent_config(
                 enable_prog_thread=config.use_progress_thread, backends=[]))
-            self._agent.create_backend("UCX", {
-                "ucx_error_handling_mode": config.error_handling_mode,
-                "num_workers": str(config.num_ucx_workers),
-            })
+            self._agent.create_backend("UCX", _ucx_params(config))
             self._mem_type = "DRAM" if kv.device.type == "cpu" else "VRAM"
             self._registered = self._agent.register_memory(kv)
             self._local_dlist = self._prep_dlist("NIXL_INIT_AGENT", kv.data_ptr(), self.num_blocks,
@@ -157,6 +160,14 @@ class NixlTransport(KvTransportBase[nixl_xfer_handle]):
             self._agent.remove_remote_agent(name)
         except _NIXL_ERRORS as error:
             log.warning("removing NIXL agent %r failed: %r", name, error)
+
+
+def _ucx_params(config: NixlConfig) -> dict[str, str]:
+    params = {"ucx_error_handling_mode": config.error_handling_mode,
+              "num_workers": str(config.num_ucx_workers)}
+    if config.num_threads:
+        params["num_threads"] = str(config.num_threads)
+    return params
 
 
 def _text(name: str | bytes) -> str:

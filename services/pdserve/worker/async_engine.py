@@ -18,6 +18,7 @@ from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kvcache import KvEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,6 +46,7 @@ class ThreadedEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stats = self._snapshot()
+        self._kv_event_listeners: list[Callable[[list[KvEvent]], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     @property
@@ -58,6 +60,12 @@ class ThreadedEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+
+    def add_kv_event_listener(self, listener: Callable[[list[KvEvent]], None]) -> None:
+        """Call `listener(events)` on the engine thread after each loop iteration that produced
+        KV cache events (numbered; a listener added late sees a gap and should resync from
+        `kv.cached_block_hashes()` via `call`). The listener must not block."""
+        self._kv_event_listeners.append(listener)
 
     def info(self) -> ModelInfo:
         return self._info
@@ -123,6 +131,7 @@ class ThreadedEngine:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
             self._deliver(self._engine.reap_expired_leases())
+            self._publish_kv_events()
             self._stats = self._snapshot()
 
     def _drain_inbox(self) -> None:
@@ -186,6 +195,12 @@ class ThreadedEngine:
             stream.num_finished += output.is_finished
             if stream.num_finished >= stream.num_completions:
                 del self._streams[output.request_id]
+
+    def _publish_kv_events(self) -> None:
+        events = self._engine.kv.drain_events()
+        if events:
+            for listener in self._kv_event_listeners:
+                listener(events)
 
     def _snapshot(self) -> EngineStats:
         kv = self._engine.kv

@@ -35,6 +35,7 @@ class Behavior:
     fail_midway: Callable[[dict], bool] = lambda body: False
     include_usage: bool = True
     chunk_delay_s: float = 0.0
+    model_id: str = MODEL_ID  # what /v1/models lists (a local path makes it the tokenizer)
     bodies: list[dict] = field(default_factory=list)  # every POST body, in arrival order
     num_in_flight: int = 0
     max_in_flight: int = 0
@@ -74,7 +75,7 @@ def make_app(behavior: Behavior) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": MODEL_ID, "object": "model"}]}
+        return {"object": "list", "data": [{"id": behavior.model_id, "object": "model"}]}
 
     async def generate(request: Request):
         body = await request.json()

@@ -14,6 +14,16 @@ SMALL_RUN = ["--num-prompts", "12", "--random-input-len", "24", "--random-output
              "--random-range-ratio", "0.5", "--disable-tqdm"]
 
 
+@pytest.fixture
+def serve(serve, tokenizer_dir):
+    """Servers that list the tokenizer directory as their model, so bench loads it from there."""
+    def start(behavior: Behavior | None = None):
+        behavior = behavior or Behavior()
+        behavior.model_id = tokenizer_dir
+        return serve(behavior)
+    return start
+
+
 def refuse_multiples_of_three(body):
     return 429 if body["max_tokens"] % 3 == 0 else None
 
@@ -30,6 +40,7 @@ def test_counts_and_token_totals_match_what_the_server_reports(serve, tmp_path, 
     assert result["total_input_tokens"] == sum(PROMPT_TOKENS_BASE + len(prompt_text(b)) for b in accepted)
     assert result["total_output_tokens"] == sum(b["max_tokens"] for b in accepted)
     assert sorted(result["errors"]) == [""] * len(accepted) + ["HTTP 429: refused"] * result["failed"]
+    assert result["tokenizer_id"] == result["model_id"] == server.behavior.model_id
     assert "Failed requests:" in capsys.readouterr().out
 
 

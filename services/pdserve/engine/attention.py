@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.batch import ForwardBatch
+from pdserve.engine.decode_attention import decode_attention
 from pdserve.engine.kv_tensor import PagedKvCache
 
 
@@ -32,7 +33,7 @@ class DecodeAttention:
     token_index: torch.Tensor | None  # (B,) rows in the flattened batch; None: all rows, in order
     block_rows: torch.Tensor  # (B * max_blocks,) layer-0 block rows; padding points at block 0
     num_seqs: int
-    bias: torch.Tensor  # (B, 1, 1, max_blocks * tpb) float32: 0 attend, -inf masked
+    bias: torch.Tensor  # (B, 1, max_blocks * tpb) float32: 0 attend, -inf masked
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,7 @@ def _decode_plan(single: list[int], starts: torch.Tensor, block_rows: torch.Tens
         mask &= key_pos >= (context_lens - window).unsqueeze(1)
     token_index = None if len(single) == num_tokens else first_token[index].to(device)
     bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-    return DecodeAttention(token_index, rows.to(device), len(single), bias[:, None, None, :].to(device))
+    return DecodeAttention(token_index, rows.to(device), len(single), bias.unsqueeze(1).to(device))
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -122,39 +123,24 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def _attend_chunk(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   chunk: ChunkAttention, kv: PagedKvCache) -> torch.Tensor:
     """q (T, nh, hd) over the chunk's context -> (T, nh * hd)."""
+    value_scale = 1.0  # the chunk's own K/V are true values; stored ones are scaled by the cache's
     if chunk.block_rows is not None:
-        k, v = kv.gather_blocks(layer, chunk.block_rows)  # (blocks, tpb, kvh, hd) each
-        k = kv.dequantize(k.flatten(0, 1)[:chunk.context_len])  # (S, kvh, hd)
-        v = kv.dequantize(v.flatten(0, 1)[:chunk.context_len])
+        k_blocks, v_blocks = kv.gather_blocks(layer, chunk.block_rows)  # (blocks, tpb, kvh, hd) each
+        k = kv.values_in_compute_dtype(k_blocks, "k_values").flatten(0, 1)[:chunk.context_len]  # (S, kvh, hd)
+        v = kv.values_in_compute_dtype(v_blocks, "v_values").flatten(0, 1)[:chunk.context_len]
+        value_scale = kv.value_scale
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # (1, nh, T, hd)
         k.transpose(0, 1).unsqueeze(0),  # (1, kvh, S, hd)
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True,
+        scale=q.shape[-1] ** -0.5 * value_scale,
     )  # (1, nh, T, hd)
-    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+    out = out[0].transpose(0, 1).reshape(q.shape[0], -1)
+    return out if value_scale == 1.0 else out.mul_(value_scale)
 
 
 def _decode(layer: int, q: torch.Tensor, plan: DecodeAttention, kv: PagedKvCache) -> torch.Tensor:
-    """q (B, nh, hd), one token per sequence -> (B, nh * hd).
-
-    Two batched matmuls rather than SDPA: on CPU, SDPA with one query row per head was
-    several times slower than matmul + softmax (see benchmarks/model_forward.py).
-    """
-    num_seqs, num_heads, head_dim = q.shape
+    """q (B, nh, hd), one token per sequence -> (B, nh * hd)."""
     k_blocks, v_blocks = kv.gather_blocks(layer, plan.block_rows)  # (B * blocks, tpb, kvh, hd)
-    num_kv_heads = k_blocks.shape[2]
-    shape = (num_seqs, num_kv_heads, plan.bias.shape[-1], head_dim)  # (B, kvh, S, hd)
-    k = kv.scratch.take("k_heads", shape, kv.compute_dtype)
-    v = kv.scratch.take("v_heads", shape, kv.compute_dtype)
-    k.copy_(k_blocks.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2))  # head-major, compute dtype
-    v.copy_(v_blocks.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2))
-    # Query heads sharing a KV head become that head's query rows: no K/V repeat needed.
-    grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, kvh, G, hd)
-    scores = torch.matmul(grouped_q, k.transpose(2, 3)).float()  # (B, kvh, G, S)
-    scores.mul_(head_dim ** -0.5 * kv.value_scale).add_(plan.bias)
-    probs = torch.softmax(scores, dim=-1).to(kv.compute_dtype)
-    out = torch.matmul(probs, v)  # (B, kvh, G, hd)
-    if kv.is_quantized:
-        out.mul_(kv.value_scale)
-    return out.reshape(num_seqs, num_heads * head_dim)
+    return decode_attention(q, k_blocks, v_blocks, plan.bias, kv)

@@ -135,24 +135,24 @@ class PagedKvCache:
         self._token_rows.index_copy_(0, token_rows + (2 * layer + 1) * tpb, self._encode(v))
 
     def gather_blocks(self, layer: int, block_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """layer-0 block rows (M,) -> K, V each (M, tpb, kvh, hd), still in the storage dtype
-        (see `stored_view`), in scratch buffers valid until the next gather."""
+        """layer-0 block rows (M,) -> K, V each (M, tpb, kvh, hd) in the storage dtype (float8 when
+        quantized), in scratch buffers valid until the next gather."""
         shape = (block_rows.shape[0],) + tuple(self._block_rows.shape[1:])
         dtype = self._block_rows.dtype
         k = torch.index_select(self._block_rows, 0, block_rows + 2 * layer, out=self.scratch.take("k", shape, dtype))
         v = torch.index_select(self._block_rows, 0, block_rows + (2 * layer + 1),
                                out=self.scratch.take("v", shape, dtype))
-        return self.stored_view(k), self.stored_view(v)
+        return self._stored_view(k), self._stored_view(v)
 
-    def stored_view(self, x: torch.Tensor) -> torch.Tensor:
-        """Gathered storage as values: float8 when quantized (times `scale` = true value)."""
+    def _stored_view(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(FP8_DTYPE) if self.is_quantized else x
 
-    def dequantize(self, x: torch.Tensor) -> torch.Tensor:
-        """Gathered values in the compute dtype (a no-op unless quantized)."""
+    def values_in_compute_dtype(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Gathered values in the compute dtype, NOT yet multiplied by `value_scale` (callers
+        fold it into their arithmetic). Quantized values convert into scratch buffer `name`."""
         if not self.is_quantized:
             return x
-        return (x.float() * self.scale).to(self.compute_dtype)
+        return self.scratch.take(name, tuple(x.shape), self.compute_dtype).copy_(x)
 
     def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
         """Copy whole blocks (all layers, K and V) src_ids[i] -> dst_ids[i]."""

@@ -94,7 +94,8 @@ def test_fp8_round_trip_exact_for_representable_values_and_saturating():
     cache = PagedKvCache(allocate_kv_tensor(CONFIG, 4, TPB, torch.float8_e4m3fn), torch.float32, scale=2.0)
     k = torch.tensor([1.0, -3.0, 0.25, 1000.0]).repeat(8).view(1, 2, 16)
     cache.write(0, k, -k, torch.tensor([3 * 16]))
-    gathered_k, gathered_v = (cache.dequantize(x) for x in cache.gather_blocks(0, torch.tensor([3 * 4])))
+    gathered_k, gathered_v = (cache.values_in_compute_dtype(x, name) * cache.value_scale
+                              for x, name in zip(cache.gather_blocks(0, torch.tensor([3 * 4])), "kv"))
     expected = torch.tensor([1.0, -3.0, 0.25, 896.0]).repeat(8).view(2, 16)  # 448 * scale 2 at most
     assert torch.equal(gathered_k[0, 0], expected) and torch.equal(gathered_v[0, 0], -expected)
     with pytest.raises(ConfigError, match="kv_scale"):

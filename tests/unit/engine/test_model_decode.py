@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from pdserve.engine import decode_attention
+
 from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
 
 NEW_TOKENS = 12
@@ -59,3 +61,14 @@ def test_late_prefill_joins_running_decodes(checkpoints):
         loop.step([i for i in active if len(loop.tokens[i]) < len(prompts[i]) + NEW_TOKENS])
     for i, p in enumerate(prompts):
         assert loop.generated(i, len(p)) == hf_greedy(checkpoints["llama"], p), f"sequence {i}"
+
+
+def test_head_major_decode_path_matches_too(checkpoints, monkeypatch):
+    """The path taken for models with many KV heads, forced here on the tiny model."""
+    monkeypatch.setattr(decode_attention, "WIDE_QUERY_MAX_KV_HEADS", 0)
+    prompts = [prompt(n, seed=30 + n) for n in PROMPT_LENS]
+    loop = GreedyLoop(load_runner(checkpoints["qwen2"]), prompts)
+    for _ in range(NEW_TOKENS):
+        loop.step(list(range(len(prompts))))
+    for i, p in enumerate(prompts):
+        assert loop.generated(i, len(p)) == hf_greedy(checkpoints["qwen2"], p), f"sequence {i}"

@@ -4,8 +4,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
+from pdserve.engine import decode_attention
 from pdserve.engine.layers import RotaryEmbedding
+
+from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
 
 ARCHS = ["llama", "qwen2", "mistral", "llama3_rope"]
 PROMPT_LEN = 23  # odd, spans 6 blocks of 4, and longer than Mistral's window of 8
@@ -99,8 +101,9 @@ def test_half_precision_stays_close(checkpoints, dtype):
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("size", [5, 1])
-def test_fp8_kv_cache_stays_close(checkpoints, size):
+@pytest.mark.parametrize("size, max_wide_kv_heads", [(5, 16), (1, 16), (1, 0)])
+def test_fp8_kv_cache_stays_close(checkpoints, monkeypatch, size, max_wide_kv_heads):
+    monkeypatch.setattr(decode_attention, "WIDE_QUERY_MAX_KV_HEADS", max_wide_kv_heads)
     runner = load_runner(checkpoints["llama"], kv_cache_dtype="fp8", kv_scale=0.5)
     ids = prompt(PROMPT_LEN, seed=8)
     logits = in_chunks(runner, ids, size, [8, 9, 10, 11, 12, 13])

@@ -1,11 +1,10 @@
 """The checked-in stubs in pdserve/rpc/gen were generated from today's proto files (`make proto`)."""
+import importlib
 from collections.abc import Iterable
 from pathlib import Path
 
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
-
-from pdserve.rpc.gen import request_pb2, worker_pb2
 
 PROTO_ROOT = Path(__file__).resolve().parents[3] / "proto"
 
@@ -25,11 +24,12 @@ def without_json_names(file: descriptor_pb2.FileDescriptorProto) -> descriptor_p
 
 def test_checked_in_stubs_match_the_proto_files(tmp_path: Path) -> None:
     descriptor_set = tmp_path / "descriptors.pb"
-    protos = sorted(str(p) for p in (PROTO_ROOT / "pdserve" / "v1").glob("*.proto"))
-    assert protoc.main(["protoc", f"-I{PROTO_ROOT}", f"--descriptor_set_out={descriptor_set}", *protos]) == 0
-    compiled = {f.name: without_json_names(f) for f in descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file}
-    checked_in = {
-        d.name: d for d in (descriptor_pb2.FileDescriptorProto.FromString(m.DESCRIPTOR.serialized_pb)
-                            for m in (request_pb2, worker_pb2))
-    }
+    protos = sorted((PROTO_ROOT / "pdserve" / "v1").glob("*.proto"))
+    args = [f"-I{PROTO_ROOT}", f"--descriptor_set_out={descriptor_set}", *map(str, protos)]
+    assert protoc.main(["protoc", *args]) == 0
+    compiled = {f.name: without_json_names(f)
+                for f in descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file}
+    modules = [importlib.import_module(f"pdserve.rpc.gen.{proto.stem}_pb2") for proto in protos]
+    checked_in = {d.name: d for d in (descriptor_pb2.FileDescriptorProto.FromString(m.DESCRIPTOR.serialized_pb)
+                                      for m in modules)}
     assert checked_in == compiled

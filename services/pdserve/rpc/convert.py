@@ -119,12 +119,12 @@ def request_from_proto(msg: rpb.GenerateRequest) -> GenerationRequest:
     )
 
 
-def _logprob_to_proto(lp: TokenLogprob) -> rpb.TokenLogprob:
+def logprob_to_proto(lp: TokenLogprob) -> rpb.TokenLogprob:
     top = [rpb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
     return rpb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top)
 
 
-def _logprob_from_proto(msg: rpb.TokenLogprob) -> TokenLogprob:
+def logprob_from_proto(msg: rpb.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
 
 
@@ -134,7 +134,7 @@ def output_to_proto(output: RequestOutput) -> rpb.RequestOutput:
     return _checked(
         rpb.RequestOutput, "token_ids",
         request_id=output.request_id, index=output.index, token_ids=output.token_ids,
-        text=output.text, logprobs=[_logprob_to_proto(lp) for lp in output.logprobs],
+        text=output.text, logprobs=[logprob_to_proto(lp) for lp in output.logprobs],
         finish_reason=_FINISH_TO_PROTO[output.finish_reason],
         num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
         error=output.error,
@@ -147,7 +147,7 @@ def output_from_proto(msg: rpb.RequestOutput) -> RequestOutput:
         index=msg.index,
         token_ids=tuple(msg.token_ids),
         text=msg.text,
-        logprobs=tuple(_logprob_from_proto(lp) for lp in msg.logprobs),
+        logprobs=tuple(logprob_from_proto(lp) for lp in msg.logprobs),
         finish_reason=_decode(_FINISH_FROM_PROTO, msg.finish_reason, "finish_reason"),
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,

@@ -8,9 +8,11 @@ import grpc
 
 from pdserve.common.errors import (
     DuplicateRequestError,
+    IncompatiblePeerError,
     InvalidRequestError,
     OutOfBlocksError,
     PdserveError,
+    TransferError,
     UnknownRequestError,
     WorkerError,
     WorkerTimeoutError,
@@ -25,6 +27,8 @@ _CODES: tuple[tuple[type[PdserveError], grpc.StatusCode], ...] = (
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
     (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (IncompatiblePeerError, grpc.StatusCode.FAILED_PRECONDITION),
+    (TransferError, grpc.StatusCode.ABORTED),
 )
 
 Metadata = tuple[tuple[str, str], ...]
@@ -56,6 +60,10 @@ def error_from_status(
         return DuplicateRequestError(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return UnknownRequestError(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return IncompatiblePeerError(f"{address}: {details}")
+    if code == grpc.StatusCode.ABORTED:
+        return TransferError(f"{address}: {details}")
     return WorkerError(f"worker {address} failed: {code.name}: {details}")
 
 

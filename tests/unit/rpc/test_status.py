@@ -7,6 +7,7 @@ from pdserve.common.errors import (
     InvalidRequestError,
     OutOfBlocksError,
     PdserveError,
+    IncompatiblePeerError,
     TransferError,
     UnknownRequestError,
     WorkerError,
@@ -26,7 +27,9 @@ ADDRESS = "10.0.0.1:50051"
         (UnknownRequestError("r9"), grpc.StatusCode.NOT_FOUND, UnknownRequestError),
         (OutOfBlocksError(8, 2), grpc.StatusCode.RESOURCE_EXHAUSTED, WorkerUnavailableError),
         (WorkerUnavailableError("x:1", "draining"), grpc.StatusCode.UNAVAILABLE, WorkerUnavailableError),
-        (TransferError("peer gone"), grpc.StatusCode.INTERNAL, WorkerError),
+        (TransferError("peer gone"), grpc.StatusCode.ABORTED, TransferError),
+        (IncompatiblePeerError("dtype differs"), grpc.StatusCode.FAILED_PRECONDITION, IncompatiblePeerError),
+        (PdserveError("boom"), grpc.StatusCode.INTERNAL, WorkerError),
     ],
 )
 def test_each_error_type_has_one_code(error: PdserveError, code: grpc.StatusCode, expected_type: type) -> None:

@@ -36,13 +36,19 @@ class Target:
 
 
 def _tokenizer_path(flag: str | None, model: str) -> str:
+    """--tokenizer, else the served model when it is a local path, else pdserve's default model
+    (with a note on stderr unless the server serves that default model under its file name)."""
     if flag:
         return flag
     if Path(model).exists():
         return model
     from pdserve.common.model_source import default_model_path
 
-    return str(default_model_path())
+    default = default_model_path()
+    if Path(default).name.removesuffix(".gguf") != model:
+        print(f"pdserve bench: note: {model!r} is not a local path; counting tokens with {default}"
+              " (--tokenizer chooses another)", file=sys.stderr)
+    return str(default)
 
 
 def _load_tokenizer(path: str) -> TextTokenizer:

@@ -122,3 +122,12 @@ def test_vllm_save_result_flags_name_the_json_file(serve, tmp_path):
     assert main(["--base-url", server.base_url, *SMALL_RUN, "--save-result", "--result-dir", str(tmp_path),
                  "--result-filename", "run.json"]) == 0
     assert json.loads((tmp_path / "run.json").read_text())["completed"] == 12
+
+
+def test_a_served_model_that_is_not_a_local_path_gets_a_tokenizer_note(serve, capsys):
+    server = serve()
+    server.behavior.model_id = "org/some-remote-model"
+    assert main(["--base-url", server.base_url, *SMALL_RUN, "--num-prompts", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve bench: note: 'org/some-remote-model' is not a local path; counting tokens with ")
+    assert err.endswith(".gguf (--tokenizer chooses another)\n")

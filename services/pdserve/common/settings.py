@@ -88,8 +88,20 @@ class WorkerSettings:
     drain_timeout_s: float = opt(5.0, parse=cv.parse_float, flag="drain-timeout",
                                  help="seconds running requests may finish after SIGTERM")
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
+    worker_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                                help="name of this worker to its peers (default: <role>@<address>)")
+    metrics_port: int | None = opt(None, parse=cv.optional(cv.parse_int),
+                                   help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    kv_transfer_timeout_s: float = opt(30.0, parse=cv.parse_float, flag="kv-transfer-timeout",
+                                       help="bound on one prompt's prefill + KV transfer (seconds)")
+    disagg_min_prefill_tokens: int = opt(32, parse=cv.parse_int,
+                                         help="a decode worker prefills locally when fewer prompt tokens "
+                                              "are missing from its own cache")
+    kv_transfer_failure: str = opt("recompute", parse=cv.choice("recompute", "fail"),
+                                   help="after a failed KV transfer: recompute locally or fail the request")
 
     def __post_init__(self) -> None:
+        _check_positive(self, "kv_transfer_timeout_s")
         _check_positive(self, "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                         "kv_cache_memory", "max_kv_tokens", "num_threads", "drain_timeout_s")
         _check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size,
@@ -110,6 +122,11 @@ class WorkerSettings:
         """Where a client on this machine reaches the worker."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"{host}:{self.port}"
+
+    @property
+    def peer_name(self) -> str:
+        """This worker's name in KV transfers (NIXL agent name)."""
+        return self.worker_id or f"{self.role}@{self.address}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.batch import ForwardBatch
-from pdserve.engine.decode_attention import decode_attention
+from pdserve.engine.decode_attention import DecodeAttention, decode_attention, plan_decode
 from pdserve.engine.kv_tensor import PagedKvCache
 
 
@@ -24,16 +24,6 @@ class ChunkAttention:
     block_rows: torch.Tensor | None  # (num_blocks,) layer-0 block rows; None: no prefix, use own K/V
     context_len: int
     mask: torch.Tensor | None  # (T, context_len) bool, True = attend; None = plain causal
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeAttention:
-    """All one-token chunks, padded to the longest context and attended as one batch."""
-
-    token_index: torch.Tensor | None  # (B,) rows in the flattened batch; None: all rows, in order
-    block_rows: torch.Tensor  # (B * max_blocks,) layer-0 block rows; padding points at block 0
-    num_seqs: int
-    bias: torch.Tensor  # (B, 1, max_blocks * tpb) float32: 0 attend, -inf masked
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +56,11 @@ def plan_attention(batch: ForwardBatch, kv: PagedKvCache, sliding_window: int | 
     row_starts = first_token.tolist()
     plans = tuple(_chunk_plan(chunks[i].start_pos, len(chunks[i].token_ids), row_starts[i],
                               block_rows[i], tpb, sliding_window, device) for i in multi)
-    decode = _decode_plan(single, starts, block_rows, first_token, len(chunk_of_token), tpb,
-                          sliding_window, device) if single else None
+    decode = None
+    if single:
+        index = torch.tensor(single, dtype=torch.int64)
+        token_index = None if len(single) == len(chunk_of_token) else first_token[index].to(device)
+        decode = plan_decode(starts[index] + 1, block_rows[index], token_index, kv, sliding_window)
     return AttentionPlan(token_rows.to(device), positions.to(device), plans, decode)
 
 
@@ -87,36 +80,20 @@ def _chunk_plan(start: int, length: int, first_row: int, block_rows: torch.Tenso
     return ChunkAttention(tokens, rows, context_len, mask.to(device))
 
 
-def _decode_plan(single: list[int], starts: torch.Tensor, block_rows: torch.Tensor,
-                 first_token: torch.Tensor, num_tokens: int, tpb: int, window: int | None,
-                 device: torch.device) -> DecodeAttention:
-    index = torch.tensor(single, dtype=torch.int64)
-    context_lens = starts[index] + 1  # (B,)
-    max_blocks = -(-int(context_lens.max()) // tpb)
-    rows = block_rows[index, :max_blocks].reshape(-1)  # (B * max_blocks,)
-    key_pos = torch.arange(max_blocks * tpb).unsqueeze(0)  # (1, S)
-    mask = key_pos < context_lens.unsqueeze(1)  # (B, S)
-    if window is not None:
-        mask &= key_pos >= (context_lens - window).unsqueeze(1)
-    token_index = None if len(single) == num_tokens else first_token[index].to(device)
-    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-    return DecodeAttention(token_index, rows.to(device), len(single), bias.unsqueeze(1).to(device))
-
-
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     plan: AttentionPlan, kv: PagedKvCache) -> torch.Tensor:
     """q (T, nh, hd), k and v (T, kvh, hd) -> (T, nh * hd); writes k, v into the cache first."""
     kv.write(layer, k, v, plan.token_rows)
     num_tokens, num_heads, head_dim = q.shape
     if plan.decode is not None and plan.decode.token_index is None:
-        return _decode(layer, q, plan.decode, kv)
+        return decode_attention(layer, q, plan.decode, kv)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for chunk in plan.chunks:
         out[chunk.tokens] = _attend_chunk(layer, q[chunk.tokens], k[chunk.tokens], v[chunk.tokens],
                                           chunk, kv)
     if plan.decode is not None:
         decode_q = q.index_select(0, plan.decode.token_index)
-        out.index_copy_(0, plan.decode.token_index, _decode(layer, decode_q, plan.decode, kv))
+        out.index_copy_(0, plan.decode.token_index, decode_attention(layer, decode_q, plan.decode, kv))
     return out
 
 
@@ -138,9 +115,3 @@ def _attend_chunk(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     )  # (1, nh, T, hd)
     out = out[0].transpose(0, 1).reshape(q.shape[0], -1)
     return out if value_scale == 1.0 else out.mul_(value_scale)
-
-
-def _decode(layer: int, q: torch.Tensor, plan: DecodeAttention, kv: PagedKvCache) -> torch.Tensor:
-    """q (B, nh, hd), one token per sequence -> (B, nh * hd)."""
-    k_blocks, v_blocks = kv.gather_blocks(layer, plan.block_rows)  # (B * blocks, tpb, kvh, hd)
-    return decode_attention(q, k_blocks, v_blocks, plan.bias, kv)

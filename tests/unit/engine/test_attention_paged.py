@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from pdserve.common.errors import ConfigError, InvalidRequestError
+from pdserve.engine import decode_attention
 from pdserve.engine.attention import plan_attention
 from pdserve.engine.batch import ForwardBatch
 from pdserve.engine.kv_tensor import (PagedKvCache, allocate_kv_tensor, bytes_per_block, kv_storage_dtype,
@@ -60,8 +61,10 @@ def test_plan_rows_positions_and_decode_mask():
                                      [True, True, True, True, False],
                                      [True, True, True, True, True]]
     assert plan.decode.token_index.tolist() == [3]
-    assert plan.decode.block_rows.tolist() == [16, 0]  # block row = block * 2 layers * 2 kinds
-    assert (plan.decode.bias == 0).flatten().tolist() == [True] * 6 + [False] * 2
+    [group] = plan.decode.groups
+    assert group.seqs == slice(0, 1)
+    assert group.block_rows.tolist() == [16, 0]  # block row = block * 2 layers * 2 kinds
+    assert (group.bias == 0).flatten().tolist() == [True] * 6 + [False] * 2
 
 
 def test_plan_window_and_fresh_prefill():
@@ -71,9 +74,20 @@ def test_plan_window_and_fresh_prefill():
     [fresh] = plan.chunks
     assert fresh.block_rows is None  # nothing cached: attends to its own K/V
     assert fresh.mask.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
-    assert (plan.decode.bias == 0).view(2, 8).tolist() == [[False] * 4 + [True] * 3 + [False],
-                                                    [True, True] + [False] * 6]
+    assert plan.decode.token_index.tolist() == [3, 4]
+    assert (plan.decode.groups[0].bias == 0).view(2, 8).tolist() == [[False] * 4 + [True] * 3 + [False],
+                                                               [True, True] + [False] * 6]
     assert plan_attention(batch, cache, sliding_window=None).chunks[0].mask is None
+
+
+def test_decode_groups_each_pad_to_their_own_longest_context(monkeypatch):
+    monkeypatch.setattr(decode_attention, "GROUP_BYTES", 2 * 2 * 16 * 4 * 9)  # K+V of 9 tokens: 1 sequence
+    batch = ForwardBatch((chunk("a", [1], 8, [5, 6, 7]), chunk("b", [2], 1, [3]), chunk("c", [3], 4, [1, 2])))
+    plan = plan_attention(batch, make_cache(), sliding_window=None)
+    assert plan.decode.token_index is None  # every token is a decode token, in order
+    assert [g.seqs for g in plan.decode.groups] == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert [g.block_rows.tolist() for g in plan.decode.groups] == [[20, 24, 28], [12], [4, 8]]
+    assert [int((g.bias == 0).sum()) for g in plan.decode.groups] == [9, 2, 5]
 
 
 def test_write_lands_in_the_slot_and_gather_reads_it_back():

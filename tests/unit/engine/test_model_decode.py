@@ -63,9 +63,11 @@ def test_late_prefill_joins_running_decodes(checkpoints):
         assert loop.generated(i, len(p)) == hf_greedy(checkpoints["llama"], p), f"sequence {i}"
 
 
-def test_head_major_decode_path_matches_too(checkpoints, monkeypatch):
-    """The path taken for models with many KV heads, forced here on the tiny model."""
-    monkeypatch.setattr(decode_attention, "WIDE_QUERY_MAX_KV_HEADS", 0)
+@pytest.mark.parametrize("max_wide_kv_heads, group_bytes", [(0, decode_attention.GROUP_BYTES), (16, 1), (0, 1)])
+def test_other_decode_paths_match_too(checkpoints, monkeypatch, max_wide_kv_heads, group_bytes):
+    """Head-major (models with many KV heads) and one sequence per group, forced on the tiny model."""
+    monkeypatch.setattr(decode_attention, "WIDE_QUERY_MAX_KV_HEADS", max_wide_kv_heads)
+    monkeypatch.setattr(decode_attention, "GROUP_BYTES", group_bytes)
     prompts = [prompt(n, seed=30 + n) for n in PROMPT_LENS]
     loop = GreedyLoop(load_runner(checkpoints["qwen2"]), prompts)
     for _ in range(NEW_TOKENS):

@@ -61,3 +61,13 @@ class EngineStats:
         if not self.prefix_cache_queried_tokens:
             return 0.0
         return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class KvIntegrity:
+    """The KV cache bookkeeping's self-check, with what is still held."""
+
+    ok: bool
+    error: str
+    num_held_for_peer: int  # requests whose blocks wait on a KV transfer (reserved or held)
+    num_used_blocks: int

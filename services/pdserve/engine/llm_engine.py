@@ -99,6 +99,11 @@ class LLMEngine:
 
     # ---- KV handoff between a prefill and a decode worker ----------------------------------------
 
+    def num_missing_prompt_tokens(self, request: GenerationRequest) -> int:
+        """Prompt tokens this engine would have to compute (or receive): not in its prefix cache."""
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        return len(request.prompt_token_ids) - self.kv.analyze_prefix_reuse(seq.cache_request()).num_cached_tokens
+
     def reserve_remote(self, request: GenerationRequest, lease_s: float) -> ClaimResult:
         """Decode side: claim blocks for the whole prompt (its cached prefix reused locally).
 

@@ -7,7 +7,7 @@ from google.protobuf.message import Message
 
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 from pdserve.rpc import convert
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
@@ -80,6 +80,11 @@ class GrpcBackend:
     async def info(self) -> ModelInfo:
         reply = await self._call(self._worker().GetInfo, wpb.GetInfoRequest())
         return convert.info_from_proto(reply.info)
+
+    async def check_integrity(self) -> KvIntegrity:
+        """The worker's KV cache self-check (see the CheckKvIntegrity RPC)."""
+        r = await self._call(self._worker().CheckKvIntegrity, wpb.CheckKvIntegrityRequest())
+        return KvIntegrity(r.ok, r.error, r.num_held_for_peer, r.num_used_blocks)
 
     async def is_serving(self) -> bool:
         """True if the worker answers health with SERVING; False if it is draining or its

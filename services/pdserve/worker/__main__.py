@@ -11,6 +11,8 @@ from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.engine.weights import load_model_config, resolve_device
 from pdserve.kvcache import KvCacheConfig
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine
+from pdserve.worker.metrics import TransferMetrics
+from pdserve.worker.roles import build_role, close_role, run_background
 from pdserve.worker.server import serve_until_stopped
 
 log = logging.getLogger("pdserve.worker")
@@ -37,7 +39,7 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
     return EngineSpec(
         model=settings.model, served_model_name=settings.model_name, role=settings.role,
         dtype=settings.dtype, device=device, kv_cache_dtype=settings.kv_cache_dtype, kv=kv,
-        scheduler=scheduler, num_threads=settings.num_threads,
+        scheduler=scheduler, num_threads=settings.num_threads, cache_dir=settings.cache_dir,
     )
 
 
@@ -50,15 +52,23 @@ def _stop_on_signals() -> asyncio.Event:
 
 
 async def run_worker(settings: WorkerSettings) -> None:
-    """Build and start the engine, serve it until a signal, then stop both."""
+    """Build and start the engine and its role's parts, serve until a signal, then stop all."""
     engine = build_threaded_engine(engine_spec(settings))
+    metrics = TransferMetrics()
+    parts = build_role(settings, engine, metrics)
+    if settings.metrics_port is not None:
+        port = metrics.serve(settings.host, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.host, port)
     engine.start()
+    background = asyncio.create_task(run_background(parts, engine, metrics))
     try:
         log.info("serving %s (role %s) on %s:%d", settings.model_name, settings.role,
                  settings.host, settings.port)
-        await serve_until_stopped(engine, settings.host, settings.port, _stop_on_signals(),
-                                  settings.drain_timeout_s)
+        await serve_until_stopped(parts.engine, settings.host, settings.port, _stop_on_signals(),
+                                  settings.drain_timeout_s, parts.services)
     finally:
+        background.cancel()
+        await close_role(parts)
         engine.stop()
 
 

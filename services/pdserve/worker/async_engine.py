@@ -16,9 +16,9 @@ from typing import TypeVar
 from pdserve.common.errors import WorkerTimeoutError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kvcache import KvEvent
+from pdserve.kvcache import IntegrityError, KvEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,6 +109,17 @@ class ThreadedEngine:
         done = loop.create_future()
         self._send(("call", fn, args, loop, done))
         return await asyncio.wait_for(done, timeout_s or self._admit_timeout_s)
+
+    async def check_integrity(self) -> KvIntegrity:
+        return await self.call(self._check_integrity)
+
+    def _check_integrity(self) -> KvIntegrity:
+        kv = self._engine.kv
+        try:
+            kv.check_integrity()
+        except IntegrityError as exc:
+            return KvIntegrity(False, str(exc), self._engine.num_handoffs, kv.num_used_blocks)
+        return KvIntegrity(True, "", self._engine.num_handoffs, kv.num_used_blocks)
 
     def open_stream(self, request_id: RequestId, num_completions: int = 1) -> asyncio.Queue:
         """A queue receiving the request's outputs (for requests admitted through `call`)."""

@@ -33,6 +33,7 @@ class EngineSpec:
     kv: KvCacheConfig = KvCacheConfig(max_total_bytes=512 << 20)
     scheduler: SchedulerConfig = SchedulerConfig()
     num_threads: int | None = None
+    cache_dir: str | None = None  # keeps GGUF conversions (weights, tokenizer); None: no cache
 
 
 def build_llm_engine(spec: EngineSpec) -> LLMEngine:
@@ -49,8 +50,10 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
                           f"the KV cache holds only {num_blocks * spec.kv.tokens_per_block} tokens; "
                           "raise the KV cache size or lower max_model_len")
     runner = ModelRunner.load(spec.model, spec.dtype, device, num_blocks=num_blocks,
-                              tokens_per_block=spec.kv.tokens_per_block, kv_cache_dtype=spec.kv_cache_dtype)
-    return LLMEngine(runner, KvCacheManager(spec.kv, num_blocks), load_tokenizer(spec.model), spec.scheduler)
+                              tokens_per_block=spec.kv.tokens_per_block, kv_cache_dtype=spec.kv_cache_dtype,
+                              cache_dir=spec.cache_dir)
+    tokenizer = load_tokenizer(spec.model, spec.cache_dir)
+    return LLMEngine(runner, KvCacheManager(spec.kv, num_blocks), tokenizer, spec.scheduler)
 
 
 def build_threaded_engine(spec: EngineSpec) -> ThreadedEngine:

@@ -4,7 +4,7 @@ from typing import Protocol
 
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 
 
 class AsyncEngine(Protocol):
@@ -30,3 +30,5 @@ class AsyncEngine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def info(self) -> ModelInfo: ...
+
+    async def check_integrity(self) -> KvIntegrity: ...

@@ -1,6 +1,7 @@
 """The worker's gRPC server: listen on a port, serve one engine, drain on shutdown."""
 import asyncio
 import logging
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -32,9 +33,12 @@ class WorkerServer:
     aborts its request in the engine).
     """
 
-    def __init__(self, engine: AsyncEngine, host: str, port: int) -> None:
+    def __init__(self, engine: AsyncEngine, host: str, port: int,
+                 services: Sequence[Callable[[grpc.aio.Server], None]] = ()) -> None:
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), self._server)
+        for add_service in services:  # e.g. the KvTransfer service of a prefill worker
+            add_service(self._server)
         self._address = f"{host}:{port}"
         self.port: int | None = None  # the bound port, once started
 
@@ -57,10 +61,11 @@ class WorkerServer:
 
 
 async def serve_until_stopped(
-    engine: AsyncEngine, host: str, port: int, stop: asyncio.Event, grace_s: float
+    engine: AsyncEngine, host: str, port: int, stop: asyncio.Event, grace_s: float,
+    services: Sequence[Callable[[grpc.aio.Server], None]] = (),
 ) -> None:
     """Serve `engine` until `stop` is set, then drain for at most `grace_s` seconds."""
-    server = WorkerServer(engine, host, port)
+    server = WorkerServer(engine, host, port, services)
     await server.start()
     try:
         await stop.wait()

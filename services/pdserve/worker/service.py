@@ -90,3 +90,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: wpb.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> wpb.GetInfoResponse:
         return wpb.GetInfoResponse(info=convert.info_to_proto(self._engine.info()))
+
+    async def CheckKvIntegrity(
+        self, request: wpb.CheckKvIntegrityRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.CheckKvIntegrityResponse:
+        report = await self._engine.check_integrity()
+        return wpb.CheckKvIntegrityResponse(ok=report.ok, error=report.error,
+                                            num_held_for_peer=report.num_held_for_peer,
+                                            num_used_blocks=report.num_used_blocks)

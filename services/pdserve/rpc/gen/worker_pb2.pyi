@@ -28,6 +28,22 @@ WORKER_ROLE_BOTH: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
+class CheckKvIntegrityRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckKvIntegrityResponse(_message.Message):
+    __slots__ = ("ok", "error", "num_held_for_peer", "num_used_blocks")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_FOR_PEER_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    num_held_for_peer: int
+    num_used_blocks: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_held_for_peer: _Optional[int] = ..., num_used_blocks: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -61,6 +61,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.CheckKvIntegrity = channel.unary_unary(
+                '/pdserve.v1.Worker/CheckKvIntegrity',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.CheckKvIntegrityRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.CheckKvIntegrityResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -99,6 +104,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckKvIntegrity(self, request, context):
+        """Checks the KV cache bookkeeping (free + cached-free + in-use == total, ref counts,
+        ownership) on the engine thread; for tests and operators.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'CheckKvIntegrity': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckKvIntegrity,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.CheckKvIntegrityRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.CheckKvIntegrityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Worker:
             '/pdserve.v1.Worker/GetInfo',
             pdserve_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckKvIntegrity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/CheckKvIntegrity',
+            pdserve_dot_v1_dot_worker__pb2.CheckKvIntegrityRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.CheckKvIntegrityResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,128 @@
+"""The decode worker's engine: prompts prefilled by a prefill worker, tokens decoded here.
+
+    generate(request, prefill_worker)
+      local prefill when: no prefill worker, n > 1, few tokens missing from our own cache,
+                          the peer cannot be reached, or no blocks are free to reserve
+      else: reserve blocks (two-phase claim; our cached prefix is reused)
+            → the prefill worker computes the prompt and WRITEs only the blocks we lack
+            → its first token is emitted here and decoding continues in our batch
+
+Every wait is bounded: the prefill call by `transfer_timeout_s`, the reserved blocks by a
+lease of `transfer_timeout_s + lease_grace_s`, after which the engine frees them.
+"""
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.common.disagg import PrefillOrder
+from pdserve.common.errors import OutOfBlocksError, PdserveError
+from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
+from pdserve.kvcache import ClaimResult
+from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.worker.kv_peers import PrefillPeer, PrefillPeers
+from pdserve.worker.metrics import TransferMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    worker_id: WorkerId
+    min_remote_prefill_tokens: int = 32
+    transfer_timeout_s: float = 30.0
+    lease_grace_s: float = 10.0
+    recompute_on_failure: bool = True
+
+
+class DecodeEngine:
+    """Implements `worker.engine_api.AsyncEngine` for role=decode."""
+
+    def __init__(self, engine: ThreadedEngine, peers: PrefillPeers, config: DisaggConfig,
+                 metrics: TransferMetrics) -> None:
+        self._engine = engine
+        self._peers = peers
+        self._config = config
+        self._metrics = metrics
+
+    def info(self) -> ModelInfo:
+        return self._engine.info()
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    async def abort(self, request_id: RequestId) -> None:
+        await self._engine.abort(request_id)
+
+    async def check_integrity(self) -> KvIntegrity:
+        return await self._engine.check_integrity()
+
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+        plan = await self._plan(request, prefill_worker)
+        if plan is None:
+            async for output in self._engine.generate(request):
+                yield output
+            return
+        peer, claim = plan
+        outputs = self._engine.open_stream(request.request_id, request.sampling.n)
+        finished = False
+        try:
+            await self._remote_prefill(peer, request, claim)
+            while not finished:
+                output = await outputs.get()
+                finished = output.is_finished
+                yield output
+        finally:
+            if not finished:
+                await asyncio.shield(self._engine.abort(request.request_id))
+
+    async def _plan(self, request: GenerationRequest, prefill_worker: str | None) -> tuple[PrefillPeer, ClaimResult] | None:
+        """The peer and our reservation for a remote prefill, or None to prefill locally."""
+        reason = self._local_reason(request, prefill_worker)
+        if reason is None:
+            missing = await self._engine.call(self._engine.engine.num_missing_prompt_tokens, request)
+            reason = "few_missing_tokens" if missing < self._config.min_remote_prefill_tokens else None
+        peer = None
+        if reason is None:
+            try:
+                peer = await self._peers.get(prefill_worker)
+            except PdserveError as exc:
+                log.warning("prefill worker %s unusable, prefilling locally: %s", prefill_worker, exc)
+                reason = "peer_unavailable"
+        if reason is None:
+            try:
+                lease_s = self._config.transfer_timeout_s + self._config.lease_grace_s
+                return peer, await self._engine.call(self._engine.engine.reserve_remote, request, lease_s)
+            except OutOfBlocksError:
+                reason = "no_free_blocks"
+        self._metrics.local_prefills.labels(reason).inc()
+        return None
+
+    @staticmethod
+    def _local_reason(request: GenerationRequest, prefill_worker: str | None) -> str | None:
+        if prefill_worker is None:
+            return "no_prefill_worker"
+        if request.sampling.n > 1:
+            return "n_gt_1"
+        return None
+
+    async def _remote_prefill(self, peer: PrefillPeer, request: GenerationRequest, claim: ClaimResult) -> None:
+        engine = self._engine.engine
+        first_block = claim.num_cached_tokens // engine.kv.tokens_per_block
+        order = PrefillOrder(request, self._config.worker_id, first_block, claim.block_ids[first_block:],
+                             self._config.transfer_timeout_s)
+        start = time.perf_counter()
+        try:
+            result = await peer.prefill(order, self._config.transfer_timeout_s + 1.0)
+        except PdserveError as exc:
+            log.warning("KV transfer for %s from %s failed: %s", request.request_id, peer.address, exc)
+            self._metrics.failures.labels("received").inc()
+            await self._peers.forget(peer.address)
+            await self._engine.call(engine.fail_remote, request.request_id, self._config.recompute_on_failure,
+                                    f"KV transfer from {peer.address} failed: {exc}")
+            return
+        self._metrics.transferred("received", result.num_blocks, result.num_bytes, time.perf_counter() - start)
+        await self._engine.call(engine.complete_remote, request.request_id, result.first_token, result.logprob)

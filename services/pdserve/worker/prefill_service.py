@@ -1,0 +1,106 @@
+"""The prefill worker's KvTransfer service: handshakes, and prefill orders that end in a KV push.
+
+A prefill order runs the prompt as a prefill-only request (the engine holds its blocks after
+the first token), WRITEs the blocks the decode worker lacks into the blocks it reserved, and
+answers once every byte has landed. The held blocks are released on every path; a write never
+starts after the order's deadline, so the decode worker's lease (longer) covers it.
+"""
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+
+import grpc
+
+from pdserve.common.disagg import PrefillOrder, PrefillResult
+from pdserve.common.errors import InvalidRequestError, PdserveError, TransferError, WorkerError
+from pdserve.common.ids import WorkerId
+from pdserve.rpc import kv_transfer as convert
+from pdserve.rpc.gen import kv_transfer_pb2_grpc
+from pdserve.rpc.status import status_of
+from pdserve.transfer.interface import KvTransport, TransferHandle, TransferState
+from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.worker.metrics import TransferMetrics
+
+log = logging.getLogger(__name__)
+POLL_INTERVAL_S = 0.0005
+
+
+class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
+    def __init__(self, engine: ThreadedEngine, transport: KvTransport, metrics: TransferMetrics) -> None:
+        self._engine = engine
+        self._transport = transport
+        self._metrics = metrics
+
+    async def Handshake(self, request, context: grpc.aio.ServicerContext):
+        try:
+            await asyncio.to_thread(self._transport.add_peer, WorkerId(request.worker_id), request.metadata)
+        except PdserveError as exc:
+            log.error("refused KV peer %s: %s", request.worker_id, exc)
+            await _fail(context, exc)
+        return convert.handshake_reply(self._transport.worker_id, self._transport.local_metadata())
+
+    async def Prefill(self, request, context: grpc.aio.ServicerContext):
+        order = convert.order_from_proto(request)
+        start = time.perf_counter()
+        try:
+            result = await self._prefill(order)
+        except PdserveError as exc:
+            self._metrics.failures.labels("sent").inc()
+            await _fail(context, exc)
+        self._metrics.transferred("sent", result.num_blocks, result.num_bytes, time.perf_counter() - start)
+        return convert.result_to_proto(result)
+
+    async def _prefill(self, order: PrefillOrder) -> PrefillResult:
+        deadline = time.monotonic() + order.timeout_s
+        first = await self._first_output(order)
+        request_id = order.request.request_id
+        try:
+            held = await self._engine.call(self._engine.engine.held_block_ids, request_id)
+            source = held[order.first_block:order.first_block + len(order.dest_block_ids)]
+            if len(source) != len(order.dest_block_ids):
+                raise InvalidRequestError(
+                    f"prompt has {len(held)} blocks; cannot send {len(order.dest_block_ids)} from block "
+                    f"{order.first_block}", "dest_block_ids")
+            await self._write(order, source, deadline)
+        finally:
+            await asyncio.shield(self._engine.call(self._engine.engine.release_held, request_id))
+        num_bytes = len(source) * self._transport.spec.bytes_per_block
+        logprob = first.logprobs[0] if first.logprobs else None
+        return PrefillResult(first.token_ids[0], logprob, first.num_cached_tokens, len(source), num_bytes)
+
+    async def _first_output(self, order: PrefillOrder):
+        first = None
+        async with aclosing(self._engine.generate(order.request, prefill_only=True,
+                                                  hold_lease_s=order.timeout_s)) as outputs:
+            async for output in outputs:
+                first = output
+        if first is None or first.finish_reason in ("abort", "error") or not first.token_ids:
+            raise WorkerError(f"prefill of {order.request.request_id!r} failed: "
+                              f"{first.error if first else 'no output'}")
+        return first
+
+    async def _write(self, order: PrefillOrder, source: list, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferError(f"deadline passed before writing {order.request.request_id!r}")
+        handle = self._transport.write_blocks(order.decode_worker_id, source, order.dest_block_ids, b"", remaining)
+        try:
+            await self._wait(handle)
+        finally:
+            self._transport.release(handle)
+
+    async def _wait(self, handle: TransferHandle) -> None:
+        while True:
+            state = self._transport.poll(handle)
+            if state is TransferState.DONE:
+                return
+            if state is TransferState.FAILED:
+                self._transport.wait(handle)  # raises TransferError with the reason
+                raise TransferError(f"transfer {handle.transfer_id} failed")
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+
+async def _fail(context: grpc.aio.ServicerContext, exc: PdserveError) -> None:
+    code, details, metadata = status_of(exc)
+    await context.abort(code, details, metadata)

@@ -1,0 +1,82 @@
+"""What a worker's role adds around its engine.
+
+- both: nothing; the engine serves prefill and decode (aggregated).
+- prefill: a NIXL transport over the KV tensor and the KvTransfer service for decode workers.
+- decode: a NIXL transport, connections to prefill workers, and `DecodeEngine` in front.
+Transport progress (NIXL without its own thread) and the lease-expiry metric run in one
+background task, every loop turn, idle or not.
+"""
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.common.ids import WorkerId
+from pdserve.common.settings import WorkerSettings
+from pdserve.common.stats import WorkerRole
+from pdserve.rpc.gen import kv_transfer_pb2_grpc
+from pdserve.transfer.interface import KvTransport
+from pdserve.transfer.layout import KvLayoutSpec
+from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.worker.disagg import DecodeEngine, DisaggConfig
+from pdserve.worker.engine_api import AsyncEngine
+from pdserve.worker.kv_peers import PrefillPeers
+from pdserve.worker.metrics import TransferMetrics
+from pdserve.worker.prefill_service import KvTransferServicer
+
+BUSY_POLL_S = 0.001
+IDLE_POLL_S = 0.02
+
+
+@dataclass
+class RoleParts:
+    engine: AsyncEngine
+    services: list[Callable[[grpc.aio.Server], None]] = field(default_factory=list)
+    transport: KvTransport | None = None
+    peers: PrefillPeers | None = None
+
+
+def build_role(settings: WorkerSettings, threaded: ThreadedEngine, metrics: TransferMetrics) -> RoleParts:
+    if settings.role == WorkerRole.BOTH:
+        return RoleParts(threaded)
+    transport = make_transport(settings, threaded)
+    if settings.role == WorkerRole.PREFILL:
+        servicer = KvTransferServicer(threaded, transport, metrics)
+        return RoleParts(threaded, [lambda s: kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(servicer, s)],
+                         transport)
+    peers = PrefillPeers(transport)
+    config = DisaggConfig(WorkerId(settings.peer_name), settings.disagg_min_prefill_tokens,
+                          settings.kv_transfer_timeout_s,
+                          recompute_on_failure=settings.kv_transfer_failure == "recompute")
+    return RoleParts(DecodeEngine(threaded, peers, config, metrics), [], transport, peers)
+
+
+def make_transport(settings: WorkerSettings, threaded: ThreadedEngine) -> KvTransport:
+    from pdserve.transfer.nixl_transport import NixlTransport  # only roles that move KV load NIXL
+
+    kv = threaded.engine.runner.kv_tensor
+    spec = KvLayoutSpec.for_tensor(settings.model_name, kv)
+    return NixlTransport(WorkerId(settings.peer_name), kv, spec)
+
+
+async def run_background(parts: RoleParts, threaded: ThreadedEngine, metrics: TransferMetrics) -> None:
+    """Drive transport progress and export lease expiries until cancelled."""
+    reported = 0
+    while True:
+        if parts.transport is not None:
+            parts.transport.drain_notifications()
+        expiries = threaded.engine.num_lease_expiries
+        if expiries > reported:
+            metrics.lease_expiries.inc(expiries - reported)
+            reported = expiries
+        await asyncio.sleep(BUSY_POLL_S if threaded.engine.num_handoffs else IDLE_POLL_S)
+
+
+async def close_role(parts: RoleParts) -> None:
+    if parts.peers is not None:
+        await parts.peers.close()
+    if parts.transport is not None:
+        with contextlib.suppress(Exception):
+            parts.transport.close()

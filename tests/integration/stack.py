@@ -1,0 +1,93 @@
+"""Helpers for integration tests that start real pdserve processes on loopback."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+PDSERVE = str(Path(sys.executable).parent / "pdserve")
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 15.0
+
+
+def make_tiny_checkpoint(directory: Path, max_model_len: int = 512) -> Path:
+    """A 2-layer random-weight Llama with SmolLM2's tokenizer (so prompts are real text)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pdserve.common.model_source import default_model_path
+
+    gguf = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_model_len,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start(args: Sequence[str], log_path: Path | None = None) -> subprocess.Popen:
+    out = open(log_path, "wb") if log_path else subprocess.DEVNULL
+    return subprocess.Popen([PDSERVE, *args], stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for_worker(address: str, process: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
+    from pdserve.rpc.probe import is_worker_serving
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"worker at {address} exited with {process.returncode} during start")
+        if is_worker_serving(address, timeout_s=1.0):
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"worker at {address} not serving within {timeout_s} s")
+
+
+def wait_for_http(url: str, processes: Sequence[subprocess.Popen], timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError("a pdserve process exited during start")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not serving within {timeout_s} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=STOP_TIMEOUT_S)
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """One sample of a Prometheus text exposition, 0.0 when absent."""
+    body = httpx.get(url, timeout=5.0).text
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in body.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0

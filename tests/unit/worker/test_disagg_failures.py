@@ -1,0 +1,171 @@
+"""Failure paths of disaggregated serving, in one process: real engines on a tiny checkpoint,
+the real KvTransfer gRPC service, and the fake transport with injected faults."""
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.request import GenerationRequest, SamplingParams
+from pdserve.common.stats import ModelInfo, WorkerRole
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.kvcache import KvCacheConfig, KvCacheManager
+from pdserve.rpc.gen import kv_transfer_pb2_grpc
+from pdserve.transfer.fake import FakeFabric, FakeTransport, Fault
+from pdserve.transfer.layout import KvLayoutSpec
+from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.worker.disagg import DecodeEngine, DisaggConfig
+from pdserve.worker.kv_peers import PrefillPeers
+from pdserve.worker.metrics import TransferMetrics
+from pdserve.worker.prefill_service import KvTransferServicer
+from tests.unit.engine.token_store_runner import CharTokenizer
+
+TPB = 4
+INFO = ModelInfo("tiny", 128, TPB, "sha256-v1", WorkerRole.BOTH, 300, (0,))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=128)).save_pretrained(path)
+    return str(path)
+
+
+def _threaded(checkpoint: str) -> ThreadedEngine:
+    runner = ModelRunner.load(checkpoint, "float32", "cpu", num_blocks=64, tokens_per_block=TPB)
+    kv = KvCacheManager(KvCacheConfig(tokens_per_block=TPB), 64)
+    engine = LLMEngine(runner, kv, CharTokenizer(), SchedulerConfig(8, 256, 128))
+    threaded = ThreadedEngine(engine, INFO, idle_wait_s=0.005)
+    threaded.start()
+    return threaded
+
+
+class Pair:
+    """A prefill engine behind a real gRPC KvTransfer server, and a decode engine dialling it."""
+
+    def __init__(self, checkpoint: str, fabric: FakeFabric, transfer_timeout_s: float, recompute: bool) -> None:
+        self.p, self.d = _threaded(checkpoint), _threaded(checkpoint)
+        self.tp = FakeTransport(WorkerId("p"), self.p.engine.runner.kv_tensor,
+                                KvLayoutSpec.for_tensor("tiny", self.p.engine.runner.kv_tensor), fabric)
+        self.td = FakeTransport(WorkerId("d"), self.d.engine.runner.kv_tensor,
+                                KvLayoutSpec.for_tensor("tiny", self.d.engine.runner.kv_tensor), fabric)
+        self.metrics = TransferMetrics()
+        self.decode = DecodeEngine(self.d, PrefillPeers(self.td),
+                                   DisaggConfig(WorkerId("d"), 1, transfer_timeout_s, 0.5, recompute), self.metrics)
+
+    async def start(self) -> str:
+        self.server = grpc.aio.server()
+        kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(self.p, self.tp, TransferMetrics()),
+                                                              self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return f"127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        await self.server.stop(0)
+        self.p.stop()
+        self.d.stop()
+
+    def used(self) -> tuple[int, int]:
+        return self.p.stats().num_used_blocks, self.d.stats().num_used_blocks
+
+
+def _request(rid: str, max_tokens: int = 6) -> GenerationRequest:
+    prompt = tuple((i * 37) % 290 + 5 for i in range(23))
+    return GenerationRequest(RequestId(rid), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True))
+
+
+async def _collect(stream) -> list:
+    return [out async for out in stream]
+
+
+async def _until(predicate, timeout_s: float = 10.0) -> bool:
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def _run(checkpoint, body, fault=None, transfer_timeout_s=2.0, recompute=False):
+    async def main():
+        fabric = FakeFabric()
+        pair = Pair(checkpoint, fabric, transfer_timeout_s, recompute)
+        address = await pair.start()
+        if fault is not None:
+            fabric.inject(WorkerId("d"), fault)
+        try:
+            return await body(pair, address)
+        finally:
+            await pair.close()
+            pair.p.engine.kv.check_integrity()
+            pair.d.engine.kv.check_integrity()
+
+    return asyncio.run(main())
+
+
+def test_remote_prefill_equals_local_prefill(checkpoint):
+    async def body(pair, address):
+        remote = await _collect(pair.decode.generate(_request("r"), address))
+        local = await _collect(pair.d.generate(_request("l")))
+        assert [o.token_ids for o in remote] == [o.token_ids for o in local]
+        assert pair.metrics.blocks.labels("received")._sum.get() == 6  # 23 tokens: 6 blocks moved
+        assert await _until(lambda: pair.used() == (0, 0))
+
+    _run(checkpoint, body)
+
+
+def test_transfer_error_fails_the_request_cleanly_and_publishes_nothing(checkpoint):
+    async def body(pair, address):
+        cached_before = len(pair.d.engine.kv.pool.cached)
+        outputs = await _collect(pair.decode.generate(_request("r"), address))
+        assert [o.finish_reason for o in outputs] == ["error"]
+        assert "KV transfer" in outputs[0].error
+        assert await _until(lambda: pair.used() == (0, 0))
+        assert len(pair.d.engine.kv.pool.cached) == cached_before  # the failed blocks never became reusable
+        assert pair.metrics.failures.labels("received")._value.get() == 1
+        assert all(t.is_released for t in pair.tp.posted)
+
+    _run(checkpoint, body, fault=Fault.FAIL)
+
+
+def test_transfer_error_can_recompute_locally(checkpoint):
+    async def body(pair, address):
+        outputs = await _collect(pair.decode.generate(_request("r"), address))
+        local = await _collect(pair.d.generate(_request("l")))
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in local]
+
+    _run(checkpoint, body, fault=Fault.FAIL, recompute=True)
+
+
+def test_stalled_transfer_times_out_and_both_sides_free(checkpoint):
+    async def body(pair, address):
+        outputs = await _collect(pair.decode.generate(_request("r"), address))
+        assert [o.finish_reason for o in outputs] == ["error"]
+        assert await _until(lambda: pair.used() == (0, 0))
+
+    _run(checkpoint, body, fault=Fault.STALL, transfer_timeout_s=0.5)
+
+
+def test_client_abort_while_waiting_for_kv_frees_both_sides(checkpoint):
+    async def body(pair, address):
+        task = asyncio.create_task(_collect(pair.decode.generate(_request("r"), address)))
+        assert await _until(lambda: pair.d.engine.num_handoffs == 1 and pair.p.engine.num_handoffs == 1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert await _until(lambda: pair.used() == (0, 0))  # prefill: call cancelled; decode: lease
+        assert pair.d.engine.num_handoffs == 0 and pair.p.engine.num_handoffs == 0
+        assert pair.d.engine.num_lease_expiries == 1  # the decode side waited out its lease
+
+    _run(checkpoint, body, fault=Fault.STALL, transfer_timeout_s=1.0)

@@ -2,20 +2,20 @@
 
 A GGUF carries no tokenizer.json: it stores the vocabulary, merges, token types, special
 ids and the name of llama.cpp's pre-tokenizer. For byte-level BPE (`tokenizer.ggml.model`
-= "gpt2") that is everything needed to rebuild the tokenizer exactly. Conversion reads the
-whole metadata (~2 s for SmolLM2), so the result may be cached in a directory the caller
-chooses, keyed by the file's path, size and mtime.
+= "gpt2") that is everything needed to rebuild the tokenizer exactly. Conversion takes about
+0.1 s for SmolLM2 (the metadata is parsed by `gguf_file`); the result may also be cached in a
+directory the caller chooses, keyed by the file's path, size and mtime.
 """
-import hashlib
 import json
-import os
 from pathlib import Path
+from typing import Any
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from pdserve.common.conversion_cache import cache_key, write_file_atomically
 from pdserve.common.errors import ConfigError
+from pdserve.common.gguf_file import read_gguf
 from pdserve.common.tokenizer_files import TokenizerSpec
 
 CONVERTER_VERSION = 1  # bump when conversion output changes, to invalidate caches
@@ -38,15 +38,14 @@ def read_gguf_tokenizer(path: str, cache_dir: str | None = None) -> tuple[Backen
             return BackendTokenizer.from_file(str(cached[0])), spec
         except Exception:  # a damaged cache entry (tokenizers raises a bare Exception): convert again
             pass
-    backend, spec = _convert(GGUFReader(path))
+    backend, spec = _convert(read_gguf(path).metadata)
     if cached:
-        _write_atomically(cached[0], backend.to_str())
-        _write_atomically(cached[1], json.dumps(spec.to_json()))
+        _write_text(cached[0], backend.to_str())
+        _write_text(cached[1], json.dumps(spec.to_json()))
     return backend, spec
 
 
-def _convert(reader: GGUFReader) -> tuple[BackendTokenizer, TokenizerSpec]:
-    meta = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+def _convert(meta: dict[str, Any]) -> tuple[BackendTokenizer, TokenizerSpec]:
     model_type = meta.get("tokenizer.ggml.model")
     if model_type != "gpt2":
         raise ConfigError("tokenizer.ggml.model", model_type,
@@ -117,15 +116,10 @@ def byte_alphabet() -> dict[int, str]:
 
 
 def _cache_paths(path: str, cache_dir: str) -> tuple[Path, Path]:
-    stat = os.stat(path)
-    key_text = f"{CONVERTER_VERSION}|{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
+    key = cache_key(path, "tokenizer", CONVERTER_VERSION)
     root = Path(cache_dir)
     return root / f"{key}.tokenizer.json", root / f"{key}.spec.json"
 
 
-def _write_atomically(target: Path, text: str) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = target.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(text, encoding="utf-8")
-    os.replace(scratch, target)
+def _write_text(target: Path, text: str) -> None:
+    write_file_atomically(target, lambda scratch: scratch.write_text(text, encoding="utf-8"))

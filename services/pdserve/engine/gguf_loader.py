@@ -3,18 +3,21 @@
 GGUF stores llama.cpp's names (`blk.3.attn_q.weight`), its metadata keys
 (`llama.embedding_length`) and quantized blocks (Q4_1, Q8_0, ...). `load_gguf` turns all
 three into what a `config.json` + safetensors checkpoint would give, so the model code
-has one loading path. Dequantization is done by the `gguf` package; the result is cast
-to the serving dtype one tensor at a time.
+has one loading path. The file is parsed by `common.gguf_file` and dequantized by
+`dequant`, one tensor at a time straight into the serving dtype. With a `cache_dir`, the
+result is kept there (`gguf_cache`) and later loads read it instead.
 """
+import math
 import re
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
-from gguf.quants import dequantize
 
 from pdserve.common.errors import ConfigError
+from pdserve.common.gguf_file import GgufFile, GgufTensorInfo, read_gguf
+from pdserve.engine import gguf_cache
+from pdserve.engine.dequant import dequantize, num_bytes
 
 SUPPORTED_ARCHITECTURE = "llama"
 
@@ -38,31 +41,42 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_gguf(path: str, dtype: torch.dtype = torch.float32,
+              cache_dir: str | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(HF `config.json`-style dict, {HF tensor name: tensor of `dtype`}) for a Llama GGUF file.
 
     Q and K projection rows come back in HF order (llama.cpp's interleaved rope layout
     undone). `lm_head.weight` is present only when the file has an untied output matrix;
     `config["tie_word_embeddings"]` says which. Raises ConfigError for other architectures
-    and for tensors this mapping does not know.
+    and for tensors this mapping does not know. With `cache_dir`, a valid cached conversion
+    is returned as is; otherwise the conversion is done and stored there.
     """
-    reader = GGUFReader(path)
-    config = _llama_config(reader)
+    if cache_dir is None:
+        return convert_gguf(path, dtype)
+    cached = gguf_cache.read_entry(path, dtype, cache_dir)
+    if cached is not None:
+        return cached
+    config, tensors = convert_gguf(path, dtype)
+    gguf_cache.write_entry(path, dtype, cache_dir, config, tensors)
+    return config, tensors
+
+
+def convert_gguf(path: str, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """`load_gguf` without a cache: parse, dequantize and rename every tensor of the file."""
+    gguf = read_gguf(path)
+    config = _llama_config(gguf)
     tensors = {}
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
-        weight = _dequantize(tensor)
-        if ".q_proj." in name:
-            weight = unpermute_rope_rows(weight, config["num_attention_heads"])
-        elif ".k_proj." in name:
-            weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
-        tensors[name] = weight.to(dtype)
+    rope_heads = {".q_proj.": config["num_attention_heads"], ".k_proj.": config["num_key_value_heads"]}
+    for info in gguf.tensors:
+        name = hf_tensor_name(info.name)
+        heads = next((n for part, n in rope_heads.items() if part in name), None)
+        tensors[name] = _read_tensor(gguf, info, dtype, heads)
     return config, tensors
 
 
 def load_gguf_config(path: str) -> dict[str, Any]:
     """Only the HF-style config of a GGUF file (no tensor is read)."""
-    return _llama_config(GGUFReader(path))
+    return _llama_config(read_gguf(path))
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -78,81 +92,80 @@ def hf_tensor_name(gguf_name: str) -> str:
     raise ConfigError("tensor", gguf_name, "not a Llama tensor this loader maps to a Hugging Face name")
 
 
-def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (weights and biases), giving the HF (rotate-half)
-    layout back.
+def unpermute_rope_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (of weights or biases), giving the HF (rotate-half)
+    row order back. `rows` is (num_rows, ...): values, or a row's stored bytes.
 
     llama.cpp's converter reorders each head's rows from [first half | second half] to
     interleaved pairs (row i of the first half next to row i of the second). Per head:
         gguf rows: (half, 2)  →  hf rows: (2, half)
     """
-    rows = weight.shape[0]  # weight (num_heads * head_dim, hidden) or bias (num_heads * head_dim,)
-    half = rows // num_heads // 2
-    per_head = weight.reshape(num_heads, half, 2, -1)  # (nh, half, 2, hidden or 1)
-    return per_head.transpose(1, 2).reshape(weight.shape)  # (nh * 2 * half, ...)
+    half = rows.shape[0] // num_heads // 2  # rows: (num_heads * head_dim, ...)
+    per_head = rows.reshape(num_heads, half, 2, -1)  # (nh, half, 2, rest)
+    return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(rows.shape)  # (nh * 2 * half, ...)
 
 
-def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
-    """The tensor as float32, numpy/HF row-major order (out_features, in_features)."""
-    array = dequantize(tensor.data, tensor.tensor_type)
-    if not array.flags.writeable:  # a view into the memory-mapped file
-        array = np.array(array)
-    return torch.from_numpy(array)
+def _read_tensor(gguf: GgufFile, info: GgufTensorInfo, dtype: torch.dtype, rope_heads: int | None) -> torch.Tensor:
+    """One tensor as `dtype`, numpy/HF row-major order (out_features, in_features). With
+    `rope_heads`, its rows are un-permuted first, as stored bytes (a row is whole blocks):
+    numpy moves those single-threaded in microseconds, where a torch copy of the
+    dequantized rows waits on a busy machine's OpenMP threads."""
+    raw = np.frombuffer(gguf.data(info, num_bytes(info.ggml_type, info.dims)), dtype=np.uint8)
+    if rope_heads is not None:
+        num_rows = math.prod(info.dims[1:]) if len(info.dims) > 1 else info.dims[0]
+        if raw.size % num_rows:
+            raise ConfigError("tensor", info.name, "a quantized 1-D Q/K tensor cannot be un-permuted")
+        raw = unpermute_rope_rows(raw.reshape(num_rows, -1), rope_heads).reshape(-1)
+    return dequantize(torch.from_numpy(raw), info.ggml_type, info.dims, dtype)
 
 
-def _llama_config(reader: GGUFReader) -> dict[str, Any]:
-    arch = _field(reader, "general.architecture")
+def _llama_config(gguf: GgufFile) -> dict[str, Any]:
+    meta = gguf.metadata
+    arch = _field(meta, "general.architecture")
     if arch != SUPPORTED_ARCHITECTURE:
         raise ConfigError("general.architecture", arch, f"only {SUPPORTED_ARCHITECTURE!r} GGUF files are supported")
-    hidden = _field(reader, "llama.embedding_length")
-    num_heads = _field(reader, "llama.attention.head_count")
-    head_dim = _field(reader, "llama.attention.key_length", hidden // num_heads)
-    _check_rope(reader, head_dim)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    hidden = _field(meta, "llama.embedding_length")
+    num_heads = _field(meta, "llama.attention.head_count")
+    head_dim = _field(meta, "llama.attention.key_length", hidden // num_heads)
+    _check_rope(meta, head_dim)
+    names = {t.name for t in gguf.tensors}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _field(reader, "llama.block_count"),
+        "intermediate_size": _field(meta, "llama.feed_forward_length"),
+        "num_hidden_layers": _field(meta, "llama.block_count"),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", num_heads),
+        "num_key_value_heads": _field(meta, "llama.attention.head_count_kv", num_heads),
         "head_dim": head_dim,
-        "rms_norm_eps": _field(reader, "llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _field(reader, "llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": _field(reader, "llama.context_length"),
-        "vocab_size": _vocab_size(reader),
-        "tie_word_embeddings": not has_output,
-        "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
+        "rms_norm_eps": _field(meta, "llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _field(meta, "llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": _field(meta, "llama.context_length"),
+        "vocab_size": _field(meta, "llama.vocab_size", None) or len(_field(meta, "tokenizer.ggml.tokens")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": any(name.endswith("attn_q.bias") for name in names),
+        "bos_token_id": _field(meta, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": _field(meta, "tokenizer.ggml.eos_token_id", None),
     }
 
 
-def _check_rope(reader: GGUFReader, head_dim: int) -> None:
-    rope_dim = _field(reader, "llama.rope.dimension_count", head_dim)
+def _check_rope(meta: dict[str, Any], head_dim: int) -> None:
+    rope_dim = _field(meta, "llama.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ConfigError("llama.rope.dimension_count", rope_dim,
                           f"partial rotary (head_dim={head_dim}) is not supported")
-    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    scaling = _field(meta, "llama.rope.scaling.type", "none")
     if scaling != "none":
         raise ConfigError("llama.rope.scaling.type", scaling, "rope scaling from GGUF is not supported")
-
-
-def _vocab_size(reader: GGUFReader) -> int:
-    if "llama.vocab_size" in reader.fields:
-        return _field(reader, "llama.vocab_size")
-    return len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
 _REQUIRED = object()
 
 
-def _field(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _REQUIRED:
-            raise ConfigError(key, None, "missing from the GGUF metadata")
-        return default
-    return field.contents()
+def _field(meta: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    if key in meta:
+        return meta[key]
+    if default is _REQUIRED:
+        raise ConfigError(key, None, "missing from the GGUF metadata")
+    return default

@@ -27,14 +27,16 @@ class ModelRunner:
     @classmethod
     def load(cls, model_path: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
              num_blocks: int | None = None, tokens_per_block: int = 16, kv_cache_dtype: str = "auto",
-             kv_cache_bytes: int | None = None, kv_scale: float = 1.0) -> "ModelRunner":
+             kv_cache_bytes: int | None = None, kv_scale: float = 1.0,
+             cache_dir: str | None = None) -> "ModelRunner":
         """Load weights and allocate the KV tensor: give `num_blocks` or a `kv_cache_bytes` budget.
 
-        `model_path` is a Hugging Face checkpoint directory or a `.gguf` file.
+        `model_path` is a Hugging Face checkpoint directory or a `.gguf` file; `cache_dir`
+        keeps a GGUF file's conversion for the next load.
         """
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ConfigError("num_blocks", num_blocks, "give exactly one of num_blocks and kv_cache_bytes")
-        checkpoint = load_checkpoint(model_path, dtype, device)
+        checkpoint = load_checkpoint(model_path, dtype, device, cache_dir)
         config, model_dtype = checkpoint.config, checkpoint.dtype
         storage = kv_storage_dtype(kv_cache_dtype, model_dtype)
         if num_blocks is None:

@@ -57,12 +57,13 @@ def load_model_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf_config(_read_hf_config(path))
 
 
-def load_checkpoint(path: str | Path, dtype: str = "auto",
-                    device: str | torch.device | None = None) -> Checkpoint:
-    """Config plus every tensor, cast to the serving dtype and moved to the device."""
+def load_checkpoint(path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,
+                    cache_dir: str | None = None) -> Checkpoint:
+    """Config plus every tensor, cast to the serving dtype and moved to the device.
+    `cache_dir` keeps a GGUF file's conversion for the next load (HF directories ignore it)."""
     path, target = Path(path), resolve_device(device)
     if _is_gguf(path):
-        hf_config, raw = _read_gguf(path, dtype)
+        hf_config, raw = _read_gguf(path, dtype, cache_dir)
         tensors = iter(raw.items())
     else:
         hf_config = _read_hf_config(path)
@@ -77,12 +78,12 @@ def _is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf"
 
 
-def _read_gguf(path: Path, dtype: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_gguf(path: Path, dtype: str, cache_dir: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not path.is_file():
         raise ConfigError("model_path", str(path), "no such GGUF file")
     from pdserve.engine.gguf_loader import load_gguf
     # "auto" is resolved once the config is known; float32 loses nothing meanwhile.
-    return load_gguf(str(path), DTYPES.get(dtype, torch.float32))
+    return load_gguf(str(path), DTYPES.get(dtype, torch.float32), cache_dir)
 
 
 def _read_hf_config(path: Path) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = resolve_router_settings(argv)
         if len(settings.workers) != 1:
             raise ConfigError("workers", ",".join(settings.workers), "the router serves exactly one worker")
-        tokenizer = load_tokenizer(settings.model)
+        tokenizer = load_tokenizer(settings.model, settings.cache_dir)
     except ConfigError as err:
         print(f"pdserve router: {err}", file=sys.stderr)
         return 2

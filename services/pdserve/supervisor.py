@@ -1,14 +1,15 @@
-"""Child processes started in order, each waited on until ready, all stopped on the way out.
+"""Child processes started in order (a group at a time), each waited on until ready, all stopped
+on the way out.
 
 Contract: once `stop_all()` returns, no child is alive. Each child is first sent the stop
 signal, then given `shutdown_timeout_s`, then killed; children stop in reverse start order
-(the router before the worker it calls). Children run in their own sessions, so a terminal's
+(the router before the workers it calls). Children run in their own sessions, so a terminal's
 Ctrl-C reaches only the supervisor, which forwards it in that order.
 """
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import NoReturn
@@ -54,19 +55,29 @@ class Supervisor:
         self._stop_signal = signal.Signals(signum)
 
     def start(self, spec: ChildSpec) -> int:
-        """Start `spec` and return its pid once `spec.is_ready()`. Raises ChildFailedError if
-        it exits or is not ready within the startup timeout, StopRequested on a stop signal."""
-        process = subprocess.Popen(spec.argv, env=spec.env, start_new_session=True)
-        self._children.append((spec, process))
+        """Start `spec` and return its pid once it is ready; as `start_group`."""
+        return self.start_group([spec])[0]
+
+    def start_group(self, specs: Sequence[ChildSpec]) -> list[int]:
+        """Start every child of `specs` at once; return their pids once each `is_ready()`.
+        The group shares one startup timeout. Raises ChildFailedError naming a child that exits
+        or is not ready in time, StopRequested on a stop signal; either way the children
+        started stay tracked, for `stop_all()`."""
+        started = []
+        for spec in specs:
+            started.append((spec, subprocess.Popen(spec.argv, env=spec.env, start_new_session=True)))
+            self._children.append(started[-1])
         deadline = time.monotonic() + self._startup_timeout_s
-        while not spec.is_ready():
+        pending = list(started)
+        while pending := [(spec, process) for spec, process in pending if not spec.is_ready()]:
             self._check_stop_signal()
-            if process.poll() is not None:
-                raise ChildFailedError(f"{spec.name} exited with code {process.returncode} while starting")
+            for spec, process in pending:
+                if process.poll() is not None:
+                    raise ChildFailedError(f"{spec.name} exited with code {process.returncode} while starting")
             if time.monotonic() > deadline:
-                raise ChildFailedError(f"{spec.name} was not ready within {self._startup_timeout_s:g} s")
+                raise ChildFailedError(f"{pending[0][0].name} was not ready within {self._startup_timeout_s:g} s")
             time.sleep(self._poll_interval_s)
-        return process.pid
+        return [process.pid for _, process in started]
 
     def watch(self) -> NoReturn:
         """Block until a stop signal (raises StopRequested) or until a child exits (raises

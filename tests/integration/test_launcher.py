@@ -45,9 +45,10 @@ def is_alive(pid: int) -> bool:
 
 
 def start_serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+    """`pdserve serve` with its default topology; its workers' ports follow `--worker-port`."""
+    port, worker_port = free_port(), free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port",
-            str(free_port()), "--num-threads", "1", "--max-model-len", "512", "--startup-timeout", "150"]
+            str(worker_port), "--num-threads", "1", "--max-model-len", "512", "--startup-timeout", "150"]
     with open(tmp_path / "serve.out", "wb") as out, open(tmp_path / "serve.err", "wb") as err:
         serve = subprocess.Popen(argv, stdout=out, stderr=err)
     url = f"http://127.0.0.1:{port}"
@@ -87,6 +88,7 @@ def test_a_killed_worker_stops_the_router_and_serve_exits_1(tmp_path: Path) -> N
     try:
         kinds = {command_of(pid).split()[3]: pid for pid in children_of(serve.pid)}
         worker, router = kinds["worker"], kinds["router"]
+        worker_port = command_of(worker).split("--port ")[1].split()[0]
         os.kill(worker, signal.SIGKILL)
         serve.wait(STOP_TIMEOUT_S)
     finally:
@@ -96,4 +98,4 @@ def test_a_killed_worker_stops_the_router_and_serve_exits_1(tmp_path: Path) -> N
     assert serve.returncode == 1
     assert is_alive(router) is False
     err_lines = (tmp_path / "serve.err").read_text().splitlines()
-    assert "pdserve serve: worker exited unexpectedly with code -9; stopping" in err_lines
+    assert f"pdserve serve: worker at 127.0.0.1:{worker_port} exited unexpectedly with code -9; stopping" in err_lines

@@ -75,11 +75,11 @@ def parse_bytes(raw: object) -> int:
 
 
 def parse_addresses(raw: object) -> tuple[str, ...]:
-    """"host:port" entries, as a list or one comma-separated string."""
-    items = raw.split(",") if isinstance(raw, str) else raw
+    """"host:port" entries: one comma-separated string, or a list of them (a repeated flag)."""
+    items = [raw] if isinstance(raw, str) else raw
     if not isinstance(items, list | tuple) or not items:
         raise ValueError("must be one or more host:port addresses")
-    addresses = tuple(str(item).strip() for item in items)
+    addresses = tuple(part.strip() for item in items for part in str(item).split(","))
     for address in addresses:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -156,6 +156,11 @@ class Option:
     def is_bool(self) -> bool:
         return self.parse is parse_bool
 
+    @property
+    def is_list(self) -> bool:
+        """A list flag may be repeated (`--worker a:1 --worker b:2`) or take a comma list."""
+        return self.parse is parse_addresses
+
 
 def options_of(cls: type, section: str, rename: Mapping[str, str] | None = None,
                skip: Sequence[str] = ()) -> list[Option]:
@@ -183,10 +188,11 @@ def merged(options: list[Option]) -> list[Option]:
 
 def build_parser(prog: str, options: list[Option]) -> argparse.ArgumentParser:
     epilog = f"Every flag also reads {ENV_PREFIX}<FLAG> and a --config file key; flags win."
-    parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, epilog=epilog)
+    parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, epilog=epilog,
+                                     allow_abbrev=False)  # `--worker` must never pass for `--workers`
     parser.add_argument("--config", help="YAML, TOML or JSON file of flag: value pairs")
     for o in options:
-        action = argparse.BooleanOptionalAction if o.is_bool else "store"
+        action = argparse.BooleanOptionalAction if o.is_bool else "append" if o.is_list else "store"
         parser.add_argument(f"--{o.flag}", action=action, help=o.help)
     return parser
 

@@ -6,6 +6,7 @@ Precedence, highest first: flag > environment variable > file named by `--config
 `PDSERVE_CONFIG`; YAML, TOML or JSON) > the field's default. Flags take vLLM's names where
 the meaning is the same. A bad value raises ConfigError naming where it came from, e.g.
 `PDSERVE_BLOCK_SIZE='12': must be a power of two`. No other module reads the environment.
+`pdserve serve`'s settings (a router and its workers) are built from these in `serve_settings`.
 """
 import dataclasses
 import os
@@ -41,15 +42,15 @@ def opt(default: object = dataclasses.MISSING, *, help: str, parse: cv.Parser, f
     return field(default=default, default_factory=factory, metadata=meta)  # type: ignore[call-overload]
 
 
-def _check(is_ok: bool, name: str, value: object, reason: str) -> None:
+def check(is_ok: bool, name: str, value: object, reason: str) -> None:
     if not is_ok:
         raise ConfigError(name, value, reason)
 
 
-def _check_positive(settings: object, *names: str) -> None:
+def check_positive(settings: object, *names: str) -> None:
     for name in names:
         value = getattr(settings, name)
-        _check(value is None or value > 0, name, value, "must be > 0")
+        check(value is None or value > 0, name, value, "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,15 +102,15 @@ class WorkerSettings:
                                    help="after a failed KV transfer: recompute locally or fail the request")
 
     def __post_init__(self) -> None:
-        _check_positive(self, "kv_transfer_timeout_s")
-        _check_positive(self, "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        check_positive(self, "kv_transfer_timeout_s")
+        check_positive(self, "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                         "kv_cache_memory", "max_kv_tokens", "num_threads", "drain_timeout_s")
-        _check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size,
+        check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size,
                "must be a power of two")
-        _check(0 <= self.port < 65536, "port", self.port, "must be in 0..65535")
-        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+        check(0 <= self.port < 65536, "port", self.port, "must be in 0..65535")
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
-        _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+        check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                self.max_num_batched_tokens, f"must be >= max-num-seqs ({self.max_num_seqs})")
 
     @property
@@ -157,27 +158,9 @@ class RouterSettings:
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
 
     def __post_init__(self) -> None:
-        _check(0 < self.port < 65536, "port", self.port, "must be in 1..65535")
-        _check_positive(self, "rpc_timeout_s", "generate_timeout_s", "worker_wait_timeout_s",
+        check(0 < self.port < 65536, "port", self.port, "must be in 1..65535")
+        check_positive(self, "rpc_timeout_s", "generate_timeout_s", "worker_wait_timeout_s",
                         "first_output_timeout_s", "output_timeout_s")
-
-
-@dataclass(frozen=True, slots=True)
-class ServeSettings:
-    """`pdserve serve`: one router and one worker (role both), as two processes."""
-
-    router: RouterSettings
-    worker: WorkerSettings
-    startup_timeout_s: float = opt(300.0, parse=cv.parse_float, flag="startup-timeout",
-                                   help="how long each process may take to become ready (seconds)")
-    shutdown_timeout_s: float = opt(15.0, parse=cv.parse_float, flag="shutdown-timeout",
-                                    help="how long each process may take to stop before it is killed")
-
-    def __post_init__(self) -> None:
-        _check_positive(self, "startup_timeout_s", "shutdown_timeout_s")
-        _check(self.worker.role == WorkerRole.BOTH, "role", self.worker.role, "serve runs a role=both worker")
-        _check(self.router.workers == (self.worker.address,), "worker", self.router.workers,
-               f"serve's router calls its own worker at {self.worker.address}")
 
 
 # ---- resolution: flag > environment > config file > default ---------------------------------
@@ -186,9 +169,9 @@ T = TypeVar("T")
 Target = cv.Target
 
 
-def _resolve(prog: str, options: list[cv.Option], argv: Sequence[str] | None,
-             environ: Mapping[str, str] | None) -> tuple[dict[Target, object], dict[Target, str]]:
-    """Each set field's value and the label of the source it came from."""
+def resolve_sources(prog: str, options: list[cv.Option], argv: Sequence[str] | None,
+                    environ: Mapping[str, str] | None) -> tuple[dict[Target, object], dict[Target, str]]:
+    """Each set field's value and the label of the source it came from (e.g. `--port`)."""
     env = os.environ if environ is None else environ
     cli = vars(cv.build_parser(prog, options).parse_args(argv))
     config_path = cli.pop("config", None) or env.get(CONFIG_ENV)
@@ -214,8 +197,8 @@ def _resolve(prog: str, options: list[cv.Option], argv: Sequence[str] | None,
     return values, labels
 
 
-def _build(cls: type[T], section: str, options: list[cv.Option], values: dict[Target, object],
-           labels: dict[Target, str], **extra: object) -> T:
+def build_section(cls: type[T], section: str, options: list[cv.Option], values: dict[Target, object],
+                  labels: dict[Target, str], **extra: object) -> T:
     """`cls` from its section's values; a ConfigError names the flag or source of the field."""
     kwargs = {name: value for (sec, name), value in values.items() if sec == section}
     try:
@@ -229,8 +212,8 @@ def _build(cls: type[T], section: str, options: list[cv.Option], values: dict[Ta
 def _resolve_one(cls: type[T], prog: str, argv: Sequence[str] | None,
                  environ: Mapping[str, str] | None) -> T:
     options = cv.options_of(cls, "")
-    values, labels = _resolve(prog, options, argv, environ)
-    return _build(cls, "", options, values, labels)
+    values, labels = resolve_sources(prog, options, argv, environ)
+    return build_section(cls, "", options, values, labels)
 
 
 def resolve_worker_settings(argv: Sequence[str] | None = None,
@@ -246,25 +229,6 @@ def resolve_router_settings(argv: Sequence[str] | None = None,
     return _resolve_one(RouterSettings, "pdserve router", argv, environ)
 
 
-_SERVE_WORKER_FLAGS = {"host": "worker-host", "port": "worker-port"}
-
-
-def resolve_serve_settings(argv: Sequence[str] | None = None,
-                           environ: Mapping[str, str] | None = None) -> ServeSettings:
-    """`pdserve serve`'s settings: the router's flags (`--host`/`--port` are HTTP), the
-    worker's (its gRPC address is `--worker-host`/`--worker-port`), and the launcher's.
-    Flags both take (`--model`, `--served-model-name`, `--log-level`) set both."""
-    options = cv.merged(
-        cv.options_of(RouterSettings, "router", skip=("workers",))
-        + cv.options_of(WorkerSettings, "worker", rename=_SERVE_WORKER_FLAGS, skip=("role",))
-        + cv.options_of(ServeSettings, "serve")
-    )
-    values, labels = _resolve("pdserve serve", options, argv, environ)
-    worker = _build(WorkerSettings, "worker", options, values, labels)
-    router = _build(RouterSettings, "router", options, values, labels, workers=(worker.address,))
-    return _build(ServeSettings, "serve", options, values, labels, router=router, worker=worker)
-
-
 def to_argv(settings: WorkerSettings | RouterSettings) -> list[str]:
     """Flags that resolve back to `settings` (a field left None is passed as '', which unsets it)."""
     argv = []
@@ -272,10 +236,12 @@ def to_argv(settings: WorkerSettings | RouterSettings) -> list[str]:
         value = getattr(settings, o.targets[0][1])
         if value is None:
             argv += [f"--{o.flag}", ""]
+        elif o.is_list:
+            argv += [arg for item in value for arg in (f"--{o.flag}", item)]
         elif o.is_bool:
             argv.append(f"--{o.flag}" if value else f"--no-{o.flag}")
         else:
-            argv += [f"--{o.flag}", ",".join(value) if isinstance(value, tuple) else str(value)]
+            argv += [f"--{o.flag}", str(value)]
     return argv
 
 

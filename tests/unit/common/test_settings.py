@@ -8,10 +8,8 @@ from pdserve.common.errors import ConfigError
 from pdserve.common.model_source import default_model_path
 from pdserve.common.settings import (
     RouterSettings,
-    ServeSettings,
     WorkerSettings,
     resolve_router_settings,
-    resolve_serve_settings,
     resolve_worker_settings,
     to_argv,
 )
@@ -126,36 +124,18 @@ def test_router_settings() -> None:
     assert caught.value.field == "--worker"
 
 
-def test_serve_splits_flags_between_router_and_worker() -> None:
-    settings = resolve_serve_settings(
-        ["--port", "9000", "--worker-port", "6000", "--model", "/m/tiny.gguf", "--block-size", "32",
-         "--startup-timeout", "20"],
-        {"PDSERVE_SERVED_MODEL_NAME": "tiny"})
-    assert (settings.router.port, settings.worker.port, settings.worker.host) == (9000, 6000, "127.0.0.1")
-    assert settings.router.workers == ("127.0.0.1:6000",)
-    assert (settings.router.model, settings.worker.model) == ("/m/tiny.gguf", "/m/tiny.gguf")
-    assert (settings.router.served_model_name, settings.worker.model_name) == ("tiny", "tiny")
-    assert (settings.worker.block_size, settings.startup_timeout_s) == (32, 20.0)
+def test_a_list_flag_may_be_repeated_and_to_argv_repeats_it() -> None:
+    settings = resolve_router_settings(["--worker", "a:1", "--worker", "b:2,c:3"], {"PDSERVE_WORKER": "x:9"})
+    assert settings.workers == ("a:1", "b:2", "c:3")
+    argv = to_argv(settings)
+    first = argv.index("--worker")
+    assert argv[first:first + 7] == ["--worker", "a:1", "--worker", "b:2", "--worker", "c:3", "--rpc-timeout"]
 
 
-def test_serve_worker_on_all_interfaces_is_called_on_loopback() -> None:
-    settings = resolve_serve_settings(["--worker-host", "0.0.0.0", "--worker-port", "6001"], NO_ENV)
-    assert settings.router.workers == ("127.0.0.1:6001",)
-
-
-def test_serve_errors_name_the_serve_flag() -> None:
-    with pytest.raises(ConfigError) as caught:
-        resolve_serve_settings(["--worker-port", "99999"], NO_ENV)
-    assert caught.value.field == "--worker-port"
-    with pytest.raises(SystemExit):
-        resolve_serve_settings(["--role", "prefill"], NO_ENV)
-
-
-def test_serve_settings_refuse_a_router_calling_another_worker() -> None:
-    worker = WorkerSettings(model="m", port=6000)
-    with pytest.raises(ConfigError) as caught:
-        ServeSettings(RouterSettings(model="m", workers=("10.0.0.9:6000",)), worker)
-    assert caught.value.field == "worker"
+def test_a_flag_is_never_abbreviated() -> None:
+    with pytest.raises(SystemExit) as caught:
+        resolve_worker_settings(["--max-model", "512"], NO_ENV)
+    assert caught.value.code == 2
 
 
 def test_to_argv_round_trips_against_a_hostile_environment(tmp_path: Path) -> None:
@@ -170,7 +150,5 @@ def test_to_argv_round_trips_against_a_hostile_environment(tmp_path: Path) -> No
 def test_cache_dir_defaults_under_home_and_an_empty_value_turns_it_off() -> None:
     assert resolve_worker_settings([], NO_ENV).cache_dir == str(Path.home() / ".cache" / "pdserve")
     assert resolve_router_settings(["--cache-dir", ""], NO_ENV).cache_dir is None
-    serve = resolve_serve_settings(["--cache-dir", "/c"], NO_ENV)
-    assert (serve.worker.cache_dir, serve.router.cache_dir) == ("/c", "/c")
     worker = WorkerSettings(model="/m/x.gguf", cache_dir=None)
     assert resolve_worker_settings(to_argv(worker), {"PDSERVE_CACHE_DIR": "/elsewhere"}) == worker

@@ -3,6 +3,7 @@
 Modes: "serve" (ready at once, exits 0 on SIGINT/SIGTERM), "die-at-start" (exits 3 before
 ready), "never-ready", "ignore-signals" (ready, ignores SIGINT/SIGTERM), "die-later" (ready,
 then exits 4). Every mode exits on its own after 60 s, so no test can leave it behind.
+On a stop signal it appends its name (the ready file's stem) to `stop-order` beside the file.
 """
 import os
 import signal
@@ -15,8 +16,13 @@ if mode == "ignore-signals":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 else:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    def stop(*_: object) -> None:
+        with open(ready_file.with_name("stop-order"), "a") as order:
+            order.write(ready_file.stem + "\n")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 if mode == "die-at-start":
     sys.exit(3)
 if mode != "never-ready":

@@ -1,4 +1,5 @@
-"""`pdserve serve`: its flow under signals and child failures, its banner and child commands."""
+"""`pdserve serve`: its flow under signals and child failures (stand-in children in the
+prefill + decode + router shape), its banner and its children's command lines."""
 import json
 import os
 import shlex
@@ -10,15 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common.settings import resolve_serve_settings
-from pdserve.launcher import child_specs, ready_banner
+from pdserve.common.serve_settings import resolve_serve_settings
+from pdserve.common.settings import resolve_router_settings, resolve_worker_settings
+from pdserve.launcher import child_stages, ready_banner
 
 DRIVER = str(Path(__file__).with_name("serve_driver.py"))
 WAIT_S = 20.0
 
 
-def start_driver(tmp_path: Path, router_mode: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, DRIVER, str(tmp_path), router_mode],
+def start_driver(tmp_path: Path, router_mode: str, *worker_modes: str) -> subprocess.Popen[str]:
+    modes = worker_modes or ("serve",)
+    return subprocess.Popen([sys.executable, DRIVER, str(tmp_path), router_mode, *modes],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -39,48 +42,81 @@ def is_alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stop_signal_stops_both_children_and_exits_0(tmp_path: Path, sig: signal.Signals) -> None:
-    driver = start_driver(tmp_path, "serve")
-    pids = [wait_for_pid(tmp_path / "worker.ready"), wait_for_pid(tmp_path / "router.ready")]
+def test_a_stop_signal_stops_every_child_router_first_and_exits_0(tmp_path: Path, sig: signal.Signals) -> None:
+    driver = start_driver(tmp_path, "serve", "serve", "serve", "serve")
+    names = ["prefill-0", "prefill-1", "decode-0", "router"]
+    pids = [wait_for_pid(tmp_path / f"{name}.ready") for name in names]
     driver.send_signal(sig)
     stdout, stderr = driver.communicate(timeout=WAIT_S)
     assert (driver.returncode, stdout, stderr) == (0, "READY\n", "")
-    assert [is_alive(pid) for pid in pids] == [False, False]
+    assert [is_alive(pid) for pid in pids] == [False] * 4
+    assert (tmp_path / "stop-order").read_text().split() == ["router", "decode-0", "prefill-1", "prefill-0"]
 
 
-def test_a_dying_child_stops_the_other_and_exits_1_with_one_line(tmp_path: Path) -> None:
-    driver = start_driver(tmp_path, "die-later")
-    worker_pid = wait_for_pid(tmp_path / "worker.ready")
+def test_a_dying_child_stops_the_others_and_exits_1_with_one_line(tmp_path: Path) -> None:
+    driver = start_driver(tmp_path, "die-later", "serve", "serve")
+    worker_pids = [wait_for_pid(tmp_path / f"{name}.ready") for name in ("prefill-0", "decode-0")]
     stdout, stderr = driver.communicate(timeout=WAIT_S)
     assert (driver.returncode, stdout) == (1, "READY\n")
     assert stderr == "pdserve serve: router exited unexpectedly with code 4; stopping\n"
-    assert is_alive(worker_pid) is False
+    assert [is_alive(pid) for pid in worker_pids] == [False, False]
 
 
-def test_a_child_dying_at_start_exits_1_before_the_banner(tmp_path: Path) -> None:
+def test_a_worker_dying_at_start_exits_1_before_the_router_starts(tmp_path: Path) -> None:
+    driver = start_driver(tmp_path, "serve", "serve", "die-at-start")
+    stdout, stderr = driver.communicate(timeout=WAIT_S)
+    assert (driver.returncode, stdout) == (1, "")
+    assert stderr == "pdserve serve: decode-0 exited with code 3 while starting; stopping\n"
+    assert (tmp_path / "stop-order").read_text().split() == ["prefill-0"]
+    assert not (tmp_path / "router.ready").exists()
+
+
+def test_the_router_dying_at_start_exits_1_before_the_banner(tmp_path: Path) -> None:
     driver = start_driver(tmp_path, "die-at-start")
     stdout, stderr = driver.communicate(timeout=WAIT_S)
     assert (driver.returncode, stdout) == (1, "")
     assert stderr == "pdserve serve: router exited with code 3 while starting; stopping\n"
 
 
-def test_children_get_every_setting_as_a_flag_and_no_pdserve_env() -> None:
+def test_each_worker_and_the_router_get_every_setting_as_a_flag_and_no_pdserve_env() -> None:
     settings = resolve_serve_settings(
-        ["--model", "/m/tiny.gguf", "--port", "9000", "--worker-port", "6000", "--block-size", "32"], {})
-    worker, router = child_specs(settings)
-    assert worker.argv[:4] == (sys.executable, "-m", "pdserve.cli", "worker")
+        ["--model", "/m/tiny.gguf", "--port", "9000", "--worker-port", "6000", "--block-size", "32",
+         "--prefill", "1", "--decode", "1"], {})
+    workers, (router,) = child_stages(settings)
+    assert [spec.name for spec in workers] == ["prefill worker at 127.0.0.1:6000", "decode worker at 127.0.0.1:6001"]
+    assert [resolve_worker_settings(spec.argv[4:], {}) for spec in workers] == list(settings.workers)
+    assert resolve_router_settings(router.argv[4:], {}) == settings.router
+    assert workers[0].argv[:4] == (sys.executable, "-m", "pdserve.cli", "worker")
     assert router.argv[:4] == (sys.executable, "-m", "pdserve.cli", "router")
-    worker_flags, router_flags = " ".join(worker.argv[4:]), " ".join(router.argv[4:])
-    assert "--port 6000" in worker_flags and "--block-size 32" in worker_flags
-    assert "--port 9000" in router_flags and "--worker 127.0.0.1:6000" in router_flags
-    assert worker.env is not None and not any(k.startswith("PDSERVE_") for k in worker.env)
+    router_flags = " ".join(router.argv[4:])
+    assert "--worker 127.0.0.1:6000 --worker 127.0.0.1:6001" in router_flags
+    assert [" ".join(spec.argv).count("--num-threads 1") for spec in workers] == [1, 1]
+    assert workers[0].env is not None and not any(k.startswith("PDSERVE_") for k in workers[0].env)
 
 
-def test_banner_has_the_url_and_a_curl_line_that_parses() -> None:
-    settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--host", "0.0.0.0", "--port", "9000"], {})
-    banner = ready_banner(settings)
-    curl = shlex.split(banner.splitlines()[-1])
-    assert banner.splitlines()[0] == "pdserve is ready at http://127.0.0.1:9000 (model tiny); Ctrl-C stops it."
+def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> None:
+    settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--host", "0.0.0.0", "--port", "9000",
+                                       "--prefill", "1", "--decode", "1", "--metrics-port", "9100"], {})
+    lines = ready_banner(settings).splitlines()
+    curl = shlex.split(lines[-1])
+    assert lines[:-1] == [
+        "pdserve is ready at http://127.0.0.1:9000 (model tiny); Ctrl-C stops it.",
+        "Topology:",
+        "  router   http://127.0.0.1:9000",
+        "  prefill  127.0.0.1:50051  metrics port 9100",
+        "  decode   127.0.0.1:50052  metrics port 9101",
+        "  torch threads per worker: 1 (--num-threads sets it)",
+        "Try:",
+    ]
     assert curl[:3] == ["curl", "-s", "http://127.0.0.1:9000/v1/completions"]
     body = json.loads(curl[curl.index("-d") + 1])
     assert body == {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 16}
+
+
+def test_banner_of_one_aggregated_worker_leaves_threads_to_torch() -> None:
+    settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--aggregated"], {})
+    assert ready_banner(settings).splitlines()[2:5] == [
+        "  router   http://127.0.0.1:8000",
+        "  both     127.0.0.1:50051",
+        "  torch threads per worker: torch's default (--num-threads sets it)",
+    ]

@@ -64,3 +64,31 @@ def test_watch_reports_a_child_that_dies(tmp_path: Path) -> None:
         codes = supervisor.stop_all()
     assert str(caught.value) == "router exited unexpectedly with code 4"
     assert codes == {"router": 4, "worker": 0}
+
+
+def test_a_group_starts_together_and_a_child_dying_in_it_is_named(tmp_path: Path) -> None:
+    supervisor = make_supervisor()
+    group = [stand_in(tmp_path, "prefill", "serve"), stand_in(tmp_path, "decode", "die-at-start")]
+    with pytest.raises(ChildFailedError) as caught:
+        supervisor.start_group(group)
+    assert str(caught.value) == "decode exited with code 3 while starting"
+    assert supervisor.stop_all() == {"decode": 3, "prefill": 0}
+
+
+def test_a_group_shares_one_startup_deadline(tmp_path: Path) -> None:
+    supervisor = make_supervisor(startup_timeout_s=3.0)
+    group = [stand_in(tmp_path, "prefill", "serve"), stand_in(tmp_path, "decode", "never-ready")]
+    with pytest.raises(ChildFailedError) as caught:
+        supervisor.start_group(group)
+    assert str(caught.value) == "decode was not ready within 3 s"
+    assert (tmp_path / "prefill.ready").exists()
+    assert supervisor.stop_all() == {"decode": 0, "prefill": 0}
+
+
+def test_a_ready_group_returns_every_pid_in_order(tmp_path: Path) -> None:
+    supervisor = make_supervisor()
+    try:
+        pids = supervisor.start_group([stand_in(tmp_path, f"w{i}", "serve") for i in range(3)])
+    finally:
+        supervisor.stop_all()
+    assert pids == [int((tmp_path / f"w{i}.ready").read_text()) for i in range(3)]

@@ -1,0 +1,140 @@
+"""`pdserve serve`'s settings: one router and its workers, each a process of its own.
+
+Serve takes the router's flags (`--host`/`--port` are HTTP), the worker flags (their gRPC
+address is `--worker-host`/`--worker-port`), the topology flags (`--prefill N --decode M`, or
+`--aggregated` / `--workers K`) and the launcher's own. Flags router and worker share
+(`--model`, `--served-model-name`, `--cache-dir`, `--log-level`) set both. Worker i listens on
+`--worker-port` + i (and `--metrics-port` + i when given); prefill workers come first.
+"""
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pdserve.common import config_options as cv
+from pdserve.common.errors import ConfigError
+from pdserve.common.settings import (
+    RouterSettings,
+    Target,
+    WorkerSettings,
+    build_section,
+    check,
+    check_positive,
+    opt,
+    resolve_sources,
+)
+from pdserve.common.stats import WorkerRole
+
+# What `pdserve serve` starts without topology flags: the aggregated baseline (one role=both
+# worker) until the prefill and decode roles serve end to end.
+IS_DISAGGREGATED_BY_DEFAULT = False
+# Torch threads per worker when serve starts several workers and --num-threads is unset: each
+# worker would otherwise take every core, and the workers would contend for them.
+SHARED_MACHINE_NUM_THREADS = 1
+
+_WORKER_FLAGS = {"host": "worker-host", "port": "worker-port"}
+
+
+@dataclass(frozen=True, slots=True)
+class ServeTopology:
+    """How many workers serve starts, and in which roles."""
+
+    num_prefill: int | None = opt(None, parse=cv.optional(cv.parse_int), flag="prefill",
+                                  help="prefill workers (default 1; 0: decode workers prefill themselves)")
+    num_decode: int | None = opt(None, parse=cv.optional(cv.parse_int), flag="decode",
+                                 help="decode workers (default 1)")
+    num_aggregated: int | None = opt(None, parse=cv.optional(cv.parse_int), flag="workers",
+                                     help="serve aggregated with this many role=both workers")
+    aggregated: bool = opt(False, parse=cv.parse_bool,
+                           help="serve aggregated: role=both workers (see --workers, default 1)")
+
+    def __post_init__(self) -> None:
+        check(self.num_prefill is None or self.num_prefill >= 0, "num_prefill", self.num_prefill, "must be >= 0")
+        check_positive(self, "num_decode", "num_aggregated")
+        if self.is_aggregated:
+            for name in ("num_prefill", "num_decode"):
+                value = getattr(self, name)
+                check(value is None, name, value, "cannot be combined with --aggregated or --workers")
+
+    @property
+    def is_aggregated(self) -> bool:
+        is_split = self.num_prefill is not None or self.num_decode is not None
+        chosen = self.aggregated or self.num_aggregated is not None
+        return chosen or not (is_split or IS_DISAGGREGATED_BY_DEFAULT)
+
+    def roles(self) -> tuple[WorkerRole, ...]:
+        """Each worker's role, in start order: prefill workers, then decode workers."""
+        if self.is_aggregated:
+            return (WorkerRole.BOTH,) * (self.num_aggregated or 1)
+        num_prefill = 1 if self.num_prefill is None else self.num_prefill
+        return (WorkerRole.PREFILL,) * num_prefill + (WorkerRole.DECODE,) * (self.num_decode or 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    """A router and the workers it calls: role=both workers, or prefill and decode workers
+    (at least one decode worker, which prefills itself when no prefill worker answers)."""
+
+    router: RouterSettings
+    workers: tuple[WorkerSettings, ...]  # in start order
+    startup_timeout_s: float = opt(300.0, parse=cv.parse_float, flag="startup-timeout",
+                                   help="how long each process may take to become ready (seconds)")
+    shutdown_timeout_s: float = opt(15.0, parse=cv.parse_float, flag="shutdown-timeout",
+                                    help="how long each process may take to stop before it is killed")
+
+    def __post_init__(self) -> None:
+        check_positive(self, "startup_timeout_s", "shutdown_timeout_s")
+        roles = {w.role for w in self.workers}
+        is_valid = roles == {WorkerRole.BOTH} or (WorkerRole.DECODE in roles and WorkerRole.BOTH not in roles)
+        check(is_valid, "role", sorted(roles), "serve runs role=both workers, or decode (and prefill) workers")
+        addresses = tuple(w.address for w in self.workers)
+        check(len(set(addresses)) == len(addresses), "worker", addresses, "each worker needs its own port")
+        check(self.router.workers == addresses, "worker", self.router.workers,
+              f"serve's router calls its own workers at {','.join(addresses)}")
+
+
+def worker_fleet(base: WorkerSettings, roles: Sequence[WorkerRole]) -> tuple[WorkerSettings, ...]:
+    """Worker i: `roles[i]` on port `base.port` + i, metrics on `base.metrics_port` + i (0 stays
+    0: any free port). Several workers get SHARED_MACHINE_NUM_THREADS unless `base` sets it."""
+    threads = base.num_threads or (SHARED_MACHINE_NUM_THREADS if len(roles) > 1 else None)
+    check(base.port > 0, "port", base.port, "serve gives its router fixed worker ports; must be > 0")
+    check(base.port + len(roles) <= 65536, "port", base.port, f"{len(roles)} workers need ports up to 65535")
+    metrics = base.metrics_port
+    check(not metrics or metrics + len(roles) <= 65536, "metrics_port", metrics,
+          f"{len(roles)} workers need ports up to 65535")
+    return tuple(
+        dataclasses.replace(base, role=role, port=base.port + i, num_threads=threads,
+                            metrics_port=metrics + i if metrics else metrics)
+        for i, role in enumerate(roles)
+    )
+
+
+def _serve_options() -> list[cv.Option]:
+    return cv.merged(
+        cv.options_of(RouterSettings, "router", skip=("workers",))
+        + cv.options_of(WorkerSettings, "worker", rename=_WORKER_FLAGS, skip=("role", "worker_id"))
+        + cv.options_of(ServeTopology, "topology")
+        + cv.options_of(ServeSettings, "serve")
+    )
+
+
+def _named(error: ConfigError, options: list[cv.Option], labels: dict[Target, str]) -> ConfigError:
+    """`error` (raised about a worker field) naming the flag or source the user set."""
+    flags = {t: f"--{o.flag}" for o in options for t in o.targets}
+    target = ("worker", error.field)
+    return ConfigError(labels.get(target) or flags.get(target, error.field), error.value, error.reason)
+
+
+def resolve_serve_settings(argv: Sequence[str] | None = None,
+                           environ: Mapping[str, str] | None = None) -> ServeSettings:
+    """`pdserve serve`'s settings; as `resolve_worker_settings`."""
+    options = _serve_options()
+    values, labels = resolve_sources("pdserve serve", options, argv, environ)
+    topology = build_section(ServeTopology, "topology", options, values, labels)
+    base = build_section(WorkerSettings, "worker", options, values, labels)
+    try:
+        workers = worker_fleet(base, topology.roles())
+    except ConfigError as exc:
+        raise _named(exc, options, labels) from None
+    router = build_section(RouterSettings, "router", options, values, labels,
+                           workers=tuple(w.address for w in workers))
+    return build_section(ServeSettings, "serve", options, values, labels, router=router, workers=workers)

@@ -1,0 +1,125 @@
+"""`pdserve serve`'s settings: the flags split between router and workers, the topology."""
+import pytest
+
+from pdserve.common import serve_settings
+from pdserve.common.errors import ConfigError
+from pdserve.common.serve_settings import ServeSettings, ServeTopology, resolve_serve_settings
+from pdserve.common.settings import RouterSettings, WorkerSettings
+from pdserve.common.stats import WorkerRole
+
+NO_ENV: dict[str, str] = {}
+P, D, B = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH
+
+
+def roles_of(settings: ServeSettings) -> list[WorkerRole]:
+    return [w.role for w in settings.workers]
+
+
+def test_serve_splits_flags_between_router_and_worker() -> None:
+    settings = resolve_serve_settings(
+        ["--port", "9000", "--worker-port", "6000", "--model", "/m/tiny.gguf", "--block-size", "32",
+         "--startup-timeout", "20", "--workers", "1"],
+        {"PDSERVE_SERVED_MODEL_NAME": "tiny"})
+    (worker,) = settings.workers
+    assert (settings.router.port, worker.port, worker.host) == (9000, 6000, "127.0.0.1")
+    assert settings.router.workers == ("127.0.0.1:6000",)
+    assert (settings.router.model, worker.model) == ("/m/tiny.gguf", "/m/tiny.gguf")
+    assert (settings.router.served_model_name, worker.model_name) == ("tiny", "tiny")
+    assert (worker.block_size, settings.startup_timeout_s) == (32, 20.0)
+
+
+def test_prefill_and_decode_workers_take_consecutive_ports_prefill_first() -> None:
+    settings = resolve_serve_settings(["--prefill", "2", "--decode", "1", "--worker-port", "7000",
+                                       "--metrics-port", "9100"], NO_ENV)
+    assert roles_of(settings) == [P, P, D]
+    assert [w.port for w in settings.workers] == [7000, 7001, 7002]
+    assert [w.metrics_port for w in settings.workers] == [9100, 9101, 9102]
+    assert settings.router.workers == ("127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002")
+    assert [w.peer_name for w in settings.workers] == [
+        "prefill@127.0.0.1:7000", "prefill@127.0.0.1:7001", "decode@127.0.0.1:7002"]
+
+
+def test_one_of_prefill_or_decode_defaults_the_other_to_one() -> None:
+    assert roles_of(resolve_serve_settings(["--decode", "2"], NO_ENV)) == [P, D, D]
+    assert roles_of(resolve_serve_settings(["--prefill", "0"], NO_ENV)) == [D]
+
+
+def test_aggregated_serves_role_both_workers() -> None:
+    assert roles_of(resolve_serve_settings(["--aggregated"], NO_ENV)) == [B]
+    assert roles_of(resolve_serve_settings(["--workers", "3"], NO_ENV)) == [B, B, B]
+    assert roles_of(resolve_serve_settings(["--aggregated"], {"PDSERVE_WORKERS": "2"})) == [B, B]
+
+
+def test_default_topology_follows_the_module_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve_settings, "IS_DISAGGREGATED_BY_DEFAULT", True)
+    assert roles_of(resolve_serve_settings([], NO_ENV)) == [P, D]
+    monkeypatch.setattr(serve_settings, "IS_DISAGGREGATED_BY_DEFAULT", False)
+    assert roles_of(resolve_serve_settings([], NO_ENV)) == [B]
+
+
+def test_several_workers_get_one_thread_each_unless_set() -> None:
+    assert [w.num_threads for w in resolve_serve_settings(["--workers", "2"], NO_ENV).workers] == [1, 1]
+    assert [w.num_threads for w in resolve_serve_settings(["--workers", "1"], NO_ENV).workers] == [None]
+    chosen = resolve_serve_settings(["--prefill", "1", "--decode", "1", "--num-threads", "2"], NO_ENV)
+    assert [w.num_threads for w in chosen.workers] == [2, 2]
+
+
+def test_metrics_port_zero_lets_each_worker_pick() -> None:
+    settings = resolve_serve_settings(["--workers", "2", "--metrics-port", "0"], NO_ENV)
+    assert [w.metrics_port for w in settings.workers] == [0, 0]
+
+
+@pytest.mark.parametrize(("argv", "env", "field", "reason"), [
+    (["--aggregated", "--decode", "2"], NO_ENV, "--decode", "cannot be combined with --aggregated or --workers"),
+    (["--workers", "2", "--prefill", "0"], NO_ENV, "--prefill", "cannot be combined with --aggregated or --workers"),
+    (["--decode", "0"], NO_ENV, "--decode", "must be > 0"),
+    (["--prefill", "-1"], NO_ENV, "--prefill", "must be >= 0"),
+    (["--workers", "2"], {"PDSERVE_WORKER_PORT": "65535"}, "PDSERVE_WORKER_PORT",
+     "2 workers need ports up to 65535"),
+    (["--worker-port", "0"], NO_ENV, "--worker-port", "serve gives its router fixed worker ports; must be > 0"),
+    (["--workers", "3", "--metrics-port", "65534"], NO_ENV, "--metrics-port", "3 workers need ports up to 65535"),
+    (["--worker-port", "99999"], NO_ENV, "--worker-port", "must be in 0..65535"),
+])
+def test_bad_topology_names_the_flag(argv: list[str], env: dict[str, str], field: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve_serve_settings(argv, env)
+    assert (caught.value.field, caught.value.reason) == (field, reason)
+
+
+@pytest.mark.parametrize("argv", [["--role", "prefill"], ["--worker-id", "w"], ["--worker", "a:1"]])
+def test_per_worker_and_router_only_flags_are_not_serve_flags(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        resolve_serve_settings(argv, NO_ENV)
+
+
+def test_serve_worker_on_all_interfaces_is_called_on_loopback() -> None:
+    settings = resolve_serve_settings(["--worker-host", "0.0.0.0", "--worker-port", "6001", "--workers", "1"],
+                                      NO_ENV)
+    assert settings.router.workers == ("127.0.0.1:6001",)
+
+
+def test_cache_dir_sets_router_and_workers() -> None:
+    settings = resolve_serve_settings(["--cache-dir", "/c", "--prefill", "1"], NO_ENV)
+    assert [w.cache_dir for w in settings.workers] + [settings.router.cache_dir] == ["/c", "/c", "/c"]
+
+
+def test_serve_settings_refuse_a_router_calling_other_workers() -> None:
+    worker = WorkerSettings(model="m", port=6000)
+    with pytest.raises(ConfigError) as caught:
+        ServeSettings(RouterSettings(model="m", workers=("10.0.0.9:6000",)), (worker,))
+    assert caught.value.field == "worker"
+
+
+@pytest.mark.parametrize("roles", [(P,), (B, D), (P, B)])
+def test_serve_settings_refuse_a_topology_without_decode_or_mixing_both(roles: tuple[WorkerRole, ...]) -> None:
+    workers = tuple(WorkerSettings(model="m", role=role, port=6000 + i) for i, role in enumerate(roles))
+    router = RouterSettings(model="m", workers=tuple(w.address for w in workers))
+    with pytest.raises(ConfigError) as caught:
+        ServeSettings(router, workers)
+    assert caught.value.field == "role"
+
+
+def test_topology_roles() -> None:
+    assert ServeTopology(num_prefill=2, num_decode=3).roles() == (P, P, D, D, D)
+    assert ServeTopology(num_aggregated=2).roles() == (B, B)
+    assert ServeTopology(aggregated=True).roles() == (B,)

@@ -10,7 +10,8 @@ a 4k-token prompt's KV at contiguous ids as a fresh allocation gets them (one de
 UCX's protocol choice is read from its own log (UCX_PROTO_INFO). Nothing is asserted.
 
     python benchmarks/transfer_bandwidth.py --json transfer_bandwidth.json
-    python benchmarks/transfer_bandwidth.py --ucx-env UCX_TLS=tcp,self --json tcp.json
+    python benchmarks/transfer_bandwidth.py --env THP_MEM_ALLOC_ENABLE=1 --json thp.json
+    python benchmarks/transfer_bandwidth.py --env UCX_TLS=tcp,self --json tcp.json
 """
 import argparse
 import json
@@ -56,13 +57,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--tokens-per-block", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--error-handling-mode", choices=("peer", "none"), default="peer")
+    parser.add_argument("--error-handling-modes", default="peer,none",
+                        help="UCX error handling modes to measure, each with fresh processes")
+    parser.add_argument("--notify", default="bench", help="notification sent with each write ('' for none)")
     parser.add_argument("--num-threads", type=int, default=0, help="UCX backend threads")
     parser.add_argument("--progress-thread", action="store_true", help="use NIXL's progress thread")
     parser.add_argument("--target-poll-ms", type=float, default=1.0,
                         help="how often the target drains notifications, as a worker's loop would")
-    parser.add_argument("--ucx-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="UCX setting for both processes, e.g. UCX_TLS=tcp,self (repeatable)")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment of both processes, e.g. UCX_TLS=tcp,self or "
+                             "THP_MEM_ALLOC_ENABLE=1 (torch allocates on huge pages) (repeatable)")
     return parser.parse_args()
 
 
@@ -83,7 +87,7 @@ def pool_blocks(args: argparse.Namespace) -> int:
 
 
 def nixl_config(args: argparse.Namespace) -> NixlConfig:
-    return NixlConfig(args.error_handling_mode, num_threads=args.num_threads,
+    return NixlConfig(args.mode, num_threads=args.num_threads,
                       use_progress_thread=args.progress_thread)
 
 
@@ -110,12 +114,24 @@ def initiator_main(conn: Connection, args: argparse.Namespace, decode_metadata: 
     transport = NixlTransport(PREFILL, kv, make_spec(args), nixl_config(args))
     registered = time.perf_counter()
     transport.add_peer(DECODE, decode_metadata)
-    setup = {"register_and_prepare_ms": 1e3 * (registered - started),
+    setup = {"startup_ms": 1e3 * (registered - started),
              "add_peer_ms": 1e3 * (time.perf_counter() - registered), "pool_blocks": pool_blocks(args)}
     rng = np.random.default_rng(0)
     rows = [run_case(transport, case, args, rng) for case in cases(args)]
+    setup["anon_huge_pages_kib"] = anon_huge_pages_kib()
     transport.close()
     conn.send((setup, rows))
+
+
+def anon_huge_pages_kib() -> int:
+    """This process's memory on transparent huge pages (Linux), 0 where unknown."""
+    rollup = Path("/proc/self/smaps_rollup")
+    if not rollup.exists():
+        return 0
+    for line in rollup.read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
 
 
 def block_ids(case: Case, num_pool: int, rng: np.random.Generator) -> tuple[list[BlockId], list[BlockId]]:
@@ -131,19 +147,21 @@ def run_case(transport: NixlTransport, case: Case, args: argparse.Namespace, rng
     local, remote = block_ids(case, transport.num_blocks, rng)
     nbytes = case.num_blocks * transport.spec.bytes_per_block
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    timed_write(transport, local, remote)  # warm-up: first-touch pages, connection, caches
+    timed_write(transport, local, remote, args.notify.encode())  # warm-up: first-touch pages, connection, caches
     dst.copy_(src)
     nixl_s, copy_s, copy_1t_s = [], [], []
     for _ in range(args.reps):
-        nixl_s.append(timed_write(transport, local, remote))
+        nixl_s.append(timed_write(transport, local, remote, args.notify.encode()))
         copy_s.append(timed_copy(dst, src, torch.get_num_threads()))
         copy_1t_s.append(timed_copy(dst, src, 1))
     pairs = pair_block_ids("WRITE", local, remote, transport.num_blocks, transport.num_blocks)
-    return {"case": case.name, "num_blocks": case.num_blocks, "bytes": nbytes, "descriptors": pairs.num_runs,
-            **summary("nixl", nixl_s, nbytes), **summary("copy", copy_s, nbytes),
+    nixl_median = statistics.median(nixl_s)
+    return {"mode": args.mode, "case": case.name, "num_blocks": case.num_blocks, "bytes": nbytes,
+            "descriptors": pairs.num_runs, **summary("nixl", nixl_s, nbytes), **summary("copy", copy_s, nbytes),
             **summary("copy_1thread", copy_1t_s, nbytes),
-            "ratio_median": statistics.median(copy_s) / statistics.median(nixl_s),
-            "ratio_1thread_median": statistics.median(copy_1t_s) / statistics.median(nixl_s)}
+            "ratio_median": statistics.median(copy_s) / nixl_median,
+            "ratio_1thread_median": statistics.median(copy_1t_s) / nixl_median,
+            "ratio_best_copy_median": min(statistics.median(copy_s), statistics.median(copy_1t_s)) / nixl_median}
 
 
 def timed_copy(dst: torch.Tensor, src: torch.Tensor, num_threads: int) -> float:
@@ -157,9 +175,9 @@ def timed_copy(dst: torch.Tensor, src: torch.Tensor, num_threads: int) -> float:
     return elapsed
 
 
-def timed_write(transport: NixlTransport, local: list[BlockId], remote: list[BlockId]) -> float:
+def timed_write(transport: NixlTransport, local: list[BlockId], remote: list[BlockId], notify: bytes) -> float:
     started = time.perf_counter()
-    handle = transport.write_blocks(DECODE, local, remote, b"bench", TRANSFER_TIMEOUT_S)
+    handle = transport.write_blocks(DECODE, local, remote, notify, TRANSFER_TIMEOUT_S)
     transport.wait(handle)
     elapsed = time.perf_counter() - started
     transport.release(handle)
@@ -173,50 +191,63 @@ def summary(name: str, seconds: list[float], nbytes: int) -> dict:
             f"{name}_gbps_median": nbytes / median / 1e9, f"{name}_gbps_p90": nbytes / p90 / 1e9}
 
 
-def limits(rows: list[dict], setup: dict, protocols: list[dict]) -> list[str]:
-    """What the figures say bounds the transfer, in words."""
-    by_name = {row["case"]: row for row in rows}
-    scattered, prompt, single = by_name["256 blocks"], rows[-1], by_name["1 block"]
-    configs = sorted({p["config"] for p in protocols}) or ["unknown (no UCX protocol log)"]
+def limits(run: dict) -> list[str]:
+    """What one mode's figures say bounds the transfer, in words."""
+    by_name = {row["case"]: row for row in run["rows"]}
+    scattered, prompt, single = by_name["256 blocks"], run["rows"][-1], by_name["1 block"]
+    configs = sorted({p["config"] for p in run["protocols"]}) or ["unknown (no UCX protocol log)"]
+    setup = run["setup"]
     notes = [f"UCX put protocol: {', '.join(configs)}" + (
-        " -- cma is a zero-copy process_vm_writev done by the initiator's kernel on one core,"
-        f" while the plain copy uses {torch.get_num_threads()} torch threads"
+        " -- cma is a zero-copy process_vm_writev by the initiator's kernel on one core,"
+        f" while the plain copy may use {torch.get_num_threads()} torch threads"
         if any(c.startswith("cma") for c in configs) else "")]
     notes.append(f"descriptors: 256 scattered blocks = {scattered['descriptors']} descriptors at "
                  f"{scattered['nixl_gbps_median']:.2f} GB/s; {prompt['case']} = {prompt['descriptors']} "
                  f"descriptor(s) at {prompt['nixl_gbps_median']:.2f} GB/s (NIXL merges ids contiguous on both sides)")
-    notes.append(f"fixed cost per transfer (post, poll, notify): {single['nixl_us_median']:.0f} us median for "
-                 f"1 block vs {single['copy_us_median']:.1f} us to copy it")
-    notes.append(f"registration: once at start, {setup['register_and_prepare_ms']:.1f} ms to register and "
-                 f"prepare {setup['pool_blocks']} block descriptors, {setup['add_peer_ms']:.1f} ms per peer; "
-                 "never on the transfer path")
+    notes.append(f"fixed cost per transfer (post, poll, flush, notify): {single['nixl_us_median']:.0f} us median "
+                 f"for 1 block vs {single['copy_1thread_us_median']:.1f} us to copy it on one thread")
+    notes.append(f"pages: {setup['anon_huge_pages_kib']} KiB of the initiator on transparent huge pages; "
+                 "CMA pins every page it copies, so 4 KiB pages cost it more than 2 MiB ones "
+                 "(THP_MEM_ALLOC_ENABLE=1 makes torch allocate large tensors on huge pages)")
+    notes.append(f"registration: once at start, {setup['startup_ms']:.1f} ms to create the agent and UCX backend, "
+                 f"register the tensor and prepare {setup['pool_blocks']} block descriptors; "
+                 f"{setup['add_peer_ms']:.1f} ms per peer; never on the transfer path")
     return notes
 
 
-def measure(args: argparse.Namespace, log_dir: Path) -> tuple[dict, list[dict], int]:
-    for setting in args.ucx_env:  # the wiring script sets the children's environment, nothing else reads it
+def apply_env(args: argparse.Namespace) -> None:
+    """The wiring script sets its children's environment; no library code reads it."""
+    for setting in args.env:
         key, _, value = setting.partition("=")
         os.environ[key] = value
     os.environ["UCX_PROTO_INFO"] = "y"
-    os.environ["UCX_LOG_FILE"] = str(log_dir / "ucx.%p.log")
+
+
+def measure(args: argparse.Namespace, mode: str) -> dict:
+    """One target and one initiator process with error handling `mode`; their results."""
+    args = argparse.Namespace(**vars(args), mode=mode)
     context = multiprocessing.get_context("spawn")
     target_conn, target_child = context.Pipe()
     initiator_conn, initiator_child = context.Pipe()
-    target = context.Process(target=target_main, args=(target_child, args), daemon=True)
-    target.start()
-    try:
-        decode_metadata = receive(target_conn, "target metadata")
-        initiator = context.Process(target=initiator_main, args=(initiator_child, args, decode_metadata))
-        initiator.start()
-        setup, rows = receive(initiator_conn, "initiator results")
-        initiator.join(timeout=REPLY_TIMEOUT_S)
-        target_conn.send("stop")
-        num_notifications = receive(target_conn, "target notification count")
-    finally:
-        target.join(timeout=10)
-        if target.is_alive():
-            target.kill()
-    return setup, rows, num_notifications
+    with tempfile.TemporaryDirectory() as log_dir:
+        os.environ["UCX_LOG_FILE"] = str(Path(log_dir) / "ucx.%p.log")
+        target = context.Process(target=target_main, args=(target_child, args), daemon=True)
+        target.start()
+        try:
+            decode_metadata = receive(target_conn, "target metadata")
+            initiator = context.Process(target=initiator_main, args=(initiator_child, args, decode_metadata))
+            initiator.start()
+            setup, rows = receive(initiator_conn, "initiator results")
+            initiator.join(timeout=REPLY_TIMEOUT_S)
+            target_conn.send("stop")
+            num_notifications = receive(target_conn, "target notification count")
+        finally:
+            target.join(timeout=10)
+            if target.is_alive():
+                target.kill()
+        protocols = put_protocols(Path(log_dir))
+    return {"mode": mode, "setup": setup, "rows": rows, "notifications_received": num_notifications,
+            "protocols": protocols}
 
 
 def receive(conn: Connection, what: str) -> object:
@@ -239,31 +270,36 @@ def put_protocols(log_dir: Path) -> list[dict]:
     return found
 
 
-def print_table(rows: list[dict], notes: list[str]) -> None:
+def print_run(run: dict) -> None:
+    print(f"\nerror_handling_mode={run['mode']}  (ratio = NIXL GB/s / copy GB/s, medians)")
     print(f"{'case':<20}{'blocks':>7}{'MiB':>7}{'descs':>6}{'nixl GB/s':>10}{'p90':>6}"
-          f"{'copy GB/s':>10}{'p90':>6}{'ratio':>6}{'1-thr copy':>11}{'ratio':>6}")
-    for row in rows:
+          f"{'copy GB/s':>10}{'ratio':>6}{'1-thr copy':>11}{'ratio':>6}")
+    for row in run["rows"]:
         print(f"{row['case']:<20}{row['num_blocks']:>7}{row['bytes'] / 2**20:>7.1f}{row['descriptors']:>6}"
               f"{row['nixl_gbps_median']:>10.2f}{row['nixl_gbps_p90']:>6.2f}{row['copy_gbps_median']:>10.2f}"
-              f"{row['copy_gbps_p90']:>6.2f}{row['ratio_median']:>6.2f}{row['copy_1thread_gbps_median']:>11.2f}"
-              f"{row['ratio_1thread_median']:>6.2f}")
-    for note in notes:
+              f"{row['ratio_median']:>6.2f}{row['copy_1thread_gbps_median']:>11.2f}{row['ratio_1thread_median']:>6.2f}")
+    for note in run["limits"]:
         print(f"- {note}")
 
 
 def main() -> None:
     args = parse_args()
-    with tempfile.TemporaryDirectory() as log_dir:
-        setup, rows, num_notifications = measure(args, Path(log_dir))
-        protocols = put_protocols(Path(log_dir))
-    notes = limits(rows, setup, protocols)
-    print_table(rows, notes)
-    config = {**{k: v for k, v in vars(args).items() if k != "json"}, "bytes_per_block": make_spec(args).bytes_per_block,
-              "cpu_count": os.cpu_count(), "machine": platform.machine(), "load_avg_1m": os.getloadavg()[0],
-              "torch_threads": torch.get_num_threads(), "notifications_received": num_notifications}
-    report = {"benchmark": "transfer_bandwidth", "config": config, "results": rows,
-              "ratios": {row["case"]: row["ratio_median"] for row in rows},
-              "setup": setup, "ucx_put_protocols": protocols, "limits": notes}
+    apply_env(args)
+    runs = []
+    for mode in args.error_handling_modes.split(","):
+        run = measure(args, mode)
+        run["limits"] = limits(run)
+        print_run(run)
+        runs.append(run)
+    config = {**{k: v for k, v in vars(args).items() if k != "json"},
+              "bytes_per_block": make_spec(args).bytes_per_block, "cpu_count": os.cpu_count(),
+              "machine": platform.machine(), "load_avg_1m": os.getloadavg()[0],
+              "torch_threads": torch.get_num_threads()}
+    report = {"benchmark": "transfer_bandwidth", "config": config,
+              "results": [row for run in runs for row in run["rows"]],
+              "ratios": {f"{row['mode']}: {row['case']} vs best copy": row["ratio_best_copy_median"]
+                         for run in runs for row in run["rows"]},
+              "runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs]}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -186,15 +186,17 @@ class KvTransportBase(KvTransport, Generic[Token]):
                 or not 0 < timeout_s < math.inf:
             raise InvalidRequestError(f"timeout_s={timeout_s!r}: must be a positive, finite number of "
                                       "seconds", param="timeout_s")
+        if not isinstance(notify, bytes):
+            raise InvalidRequestError(f"notify={notify!r}: must be bytes", param="notify")
+        deadline = self._clock() + timeout_s
         with self._lock:
             self._check_open()
             peer = self._peers.get(peer_id)
             if peer is None:
                 raise TransferError(f"unknown peer {peer_id!r}: add_peer first")
             pairs = pair_block_ids(op, local_block_ids, remote_block_ids, self.num_blocks, peer.num_blocks)
-            token = self._post(op, peer_id, pairs, bytes(notify))
-            handle = TransferHandle(self._next_transfer_id, peer_id, len(pairs.local),
-                                    self._clock() + timeout_s)
+            token = self._post(op, peer_id, pairs, notify)
+            handle = TransferHandle(self._next_transfer_id, peer_id, len(pairs.local), deadline)
             self._transfers[handle.transfer_id] = _Transfer(handle, token)
             self._next_transfer_id += 1
             return handle

@@ -193,6 +193,13 @@ def test_bad_timeout_is_refused_before_anything_is_posted(prefill: FakeTransport
     assert prefill.posted == []
 
 
+def test_notify_must_be_bytes(prefill: FakeTransport, decode: FakeTransport) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        prefill.write_blocks(D, ids(0), ids(0), "req-1", timeout_s=5)
+    assert (str(raised.value), raised.value.param) == ("notify='req-1': must be bytes", "notify")
+    assert prefill.posted == []
+
+
 def test_bad_block_ids_change_nothing(prefill: FakeTransport, decode: FakeTransport) -> None:
     with pytest.raises(InvalidRequestError, match=r"remote_block_ids \[16\] out of range \[0, 16\)"):
         prefill.write_blocks(D, ids(0), ids(16), b"", timeout_s=5)

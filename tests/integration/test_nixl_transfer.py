@@ -90,18 +90,24 @@ def blocks(ids: list[int]) -> list[BlockId]:
 
 def test_written_blocks_land_byte_for_byte_and_others_stay(peer: Peer, prefill: NixlTransport) -> None:
     prefill.add_peer(DECODE, peer.decode_metadata)
-    local, remote = [3, 0, 7, 12, 13], [9, 2, 14, 5, 6]
-    handle = prefill.write_blocks(DECODE, blocks(local), blocks(remote), b"req-1", TRANSFER_TIMEOUT_S)
+    source, expected = peer_kv(SPEC, seed=7), peer_kv(SPEC, seed=1)
+
+    first_local, first_remote = [3, 0, 7], [9, 2, 14]
+    handle = prefill.write_blocks(DECODE, blocks(first_local), blocks(first_remote), b"", TRANSFER_TIMEOUT_S)
     prefill.wait(handle)
     assert prefill.poll(handle) is TransferState.DONE
     prefill.release(handle)
-    peer.recv("notification")
-    after = peer.snapshot()
+    expected[first_remote] = source[first_local]
+    assert peer.snapshot().view(torch.uint8).equal(expected.view(torch.uint8))  # DONE means landed
 
-    source, original = peer_kv(SPEC, seed=7), peer_kv(SPEC, seed=1)
-    expected = original.clone()
-    expected[remote] = source[local]
-    assert after.view(torch.uint8).equal(expected.view(torch.uint8))
+    second_local, second_remote = [12, 13], [5, 6]
+    handle = prefill.write_blocks(DECODE, blocks(second_local), blocks(second_remote), b"req-1",
+                                  TRANSFER_TIMEOUT_S)
+    prefill.wait(handle)
+    prefill.release(handle)
+    peer.recv("notification")
+    expected[second_remote] = source[second_local]
+    assert peer.snapshot().view(torch.uint8).equal(expected.view(torch.uint8))
     assert peer.notifications == [("prefill", b"req-1")]
 
 
@@ -130,7 +136,7 @@ def test_mismatched_layout_is_refused_naming_every_field(peer: Peer, prefill: Ni
         prefill.write_blocks(ODD, blocks([0]), blocks([0]), b"", TRANSFER_TIMEOUT_S)
 
 
-def test_transfer_to_a_vanished_peer_fails_within_its_timeout(peer: Peer, prefill: NixlTransport) -> None:
+def test_a_vanished_peer_fails_transfers_within_their_timeout_and_cannot_be_re_added(peer: Peer, prefill: NixlTransport) -> None:
     prefill.add_peer(DECODE, peer.decode_metadata)
     peer.conn.send(("die",))
     peer.process.join(timeout=REPLY_TIMEOUT_S)
@@ -140,6 +146,8 @@ def test_transfer_to_a_vanished_peer_fails_within_its_timeout(peer: Peer, prefil
         handle = prefill.write_blocks(DECODE, blocks([1, 2]), blocks([1, 2]), b"req-2", timeout_s=2.0)
         prefill.wait(handle)
     prefill.remove_peer(DECODE)
+    with pytest.raises(TransferError, match="^NIXL failed to add peer 'decode'"):
+        prefill.add_peer(DECODE, peer.decode_metadata)  # stale metadata: nobody listens there
     with pytest.raises(TransferError, match="unknown peer 'decode'"):
         prefill.write_blocks(DECODE, blocks([1]), blocks([1]), b"", timeout_s=2.0)
 

@@ -8,14 +8,20 @@ Protocol (push; see docs/transfer.md for why):
 2. The decode worker reserves blocks for a prompt and names them in its gRPC call to the
    prefill worker.
 3. The prefill worker computes the prompt, then `write_blocks(decode, its_blocks,
-   reserved_blocks, notify=request_id)`, and `wait`s (or `poll`s) the handle, then `release`s it.
-4. The decode worker sees `Notification(prefill, request_id)` in `drain_notifications()`;
-   NIXL delivers a transfer's notification only after all its bytes have landed.
+   reserved_blocks, notify, timeout_s)`, polls the handle from its loop until DONE or FAILED,
+   `release`s it, and replies over gRPC. DONE means every byte is in the decode worker's memory.
+4. The decode worker learns of completion from that reply, or earlier from
+   `Notification(prefill, notify)` in `drain_notifications()` when `notify` is not empty (a
+   notification is sent only after all of its transfer's bytes have landed).
 
 Ownership: every block has one owner at all times. The initiator owns its source (write) or
 destination (read) blocks until `release(handle)` returns; the target owns the other side
 throughout and must not reuse those blocks before the notification, the gRPC reply, or its
 own lease expiry.
+
+Progress: both workers call `drain_notifications()` every loop iteration, idle or not; a
+transport may make progress only inside its calls, and a peer's transfers towards us complete
+only while we make progress.
 """
 from __future__ import annotations
 

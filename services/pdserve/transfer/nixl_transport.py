@@ -3,11 +3,12 @@
 Setup cost is paid once: the KV tensor is registered once, a descriptor list of one entry
 per local block is prepared once, and one per peer in `add_peer`. A transfer of N blocks is
 then N (local index, remote index) pairs handed to `make_prepped_xfer`, which merges pairs
-that are contiguous on both sides into one descriptor.
+that are contiguous on both sides into one descriptor. NIXL's UCX backend flushes the
+endpoint before it reports a transfer DONE, so DONE means the bytes are in the peer's memory.
 
 UCX picks its transport (cma, shm, tcp, ...) from the process environment when the agent is
 created; this module reads no environment. Whoever starts the process sets it (see
-benchmarks/transfer_bandwidth.py --ucx-env).
+benchmarks/transfer_bandwidth.py --env).
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """The checked-in stubs in pdserve/rpc/gen were generated from today's proto files (`make proto`)."""
 import importlib
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from google.protobuf import descriptor_pb2
-from grpc_tools import protoc
 
 PROTO_ROOT = Path(__file__).resolve().parents[3] / "proto"
 
@@ -26,7 +27,9 @@ def test_checked_in_stubs_match_the_proto_files(tmp_path: Path) -> None:
     descriptor_set = tmp_path / "descriptors.pb"
     protos = sorted((PROTO_ROOT / "pdserve" / "v1").glob("*.proto"))
     args = [f"-I{PROTO_ROOT}", f"--descriptor_set_out={descriptor_set}", *map(str, protos)]
-    assert protoc.main(["protoc", *args]) == 0
+    # protoc runs in its own process: grpc_tools' compiler module can crash a process that
+    # already loaded torch and protobuf's upb runtime.
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args], check=True, timeout=120)
     compiled = {f.name: without_json_names(f)
                 for f in descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file}
     modules = [importlib.import_module(f"pdserve.rpc.gen.{proto.stem}_pb2") for proto in protos]

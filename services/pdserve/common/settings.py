@@ -28,6 +28,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ROUTING_POLICIES = ("kv_aware", "round_robin", "least_loaded", "random")
 
 
 def default_cache_dir() -> str:
@@ -156,11 +157,38 @@ class RouterSettings:
     output_timeout_s: float = opt(120.0, parse=cv.parse_float, flag="output-timeout",
                                   help="longest wait between two outputs of one request (seconds)")
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
+    # ---- routing across workers (see router/cost.py and router/policy.py) ----
+    routing_policy: str = opt("kv_aware", parse=cv.choice(*ROUTING_POLICIES),
+                              help=" | ".join(ROUTING_POLICIES) + "; the others exist for comparison")
+    router_temperature: float = opt(0.0, parse=cv.parse_float,
+                                    help="kv_aware: 0 picks the lowest cost; > 0 samples a softmax over costs")
+    prefill_load_scale: float = opt(1.0, parse=cv.parse_float,
+                                    help="weight of prefill work (queued and this prompt's) against held blocks")
+    host_cache_hit_weight: float = opt(0.75, parse=cv.parse_float,
+                                       help="credit for a prompt block a worker holds in host memory (device: 1)")
+    disk_cache_hit_weight: float = opt(0.25, parse=cv.parse_float,
+                                       help="credit for a prompt block a worker holds on disk")
+    session_header: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                                     help="HTTP header naming a session (e.g. X-Session-Id) whose requests keep "
+                                          "to the same workers; unset: no session affinity")
+    session_ttl_s: float = opt(600.0, parse=cv.parse_float, flag="session-ttl",
+                               help="seconds a session keeps its workers after its last request")
+    worker_poll_interval_s: float = opt(0.5, parse=cv.parse_float, flag="worker-poll-interval",
+                                        help="seconds between load queries to each worker")
+    worker_failure_threshold: int = opt(3, parse=cv.parse_int,
+                                        help="failed load queries in a row that take a worker out of rotation")
 
     def __post_init__(self) -> None:
         check(0 < self.port < 65536, "port", self.port, "must be in 1..65535")
         check_positive(self, "rpc_timeout_s", "generate_timeout_s", "worker_wait_timeout_s",
-                        "first_output_timeout_s", "output_timeout_s")
+                       "first_output_timeout_s", "output_timeout_s", "session_ttl_s", "worker_poll_interval_s",
+                       "worker_failure_threshold")
+        check(len(set(self.workers)) == len(self.workers), "workers", ",".join(self.workers),
+              "names a worker twice")
+        check(self.router_temperature >= 0, "router_temperature", self.router_temperature, "must be >= 0")
+        check(self.prefill_load_scale >= 0, "prefill_load_scale", self.prefill_load_scale, "must be >= 0")
+        for name in ("host_cache_hit_weight", "disk_cache_hit_weight"):
+            check(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
 
 
 # ---- resolution: flag > environment > config file > default ---------------------------------

@@ -60,7 +60,8 @@ def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
 def topology_lines(settings: ServeSettings) -> list[str]:
     lines = [f"  router   {base_url(settings)}"]
     for worker in settings.workers:
-        metrics = "" if worker.metrics_port is None else f"  metrics port {worker.metrics_port}"
+        port = worker.metrics_port
+        metrics = "" if port is None else f"  metrics port {port}" if port else "  metrics on a free port"
         lines.append(f"  {worker.role:<8} {worker.address}{metrics}")
     threads = {worker.num_threads for worker in settings.workers}.pop()
     shown = "torch's default" if threads is None else str(threads)

@@ -77,7 +77,8 @@ def ggml_type_of(ggml_type: int) -> GgmlType:
 
 def dequantize(raw: torch.Tensor, ggml_type: int, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`raw` (uint8, the tensor's bytes) as a new tensor of `dtype`, shaped `dims` reversed
-    (numpy/HF row-major: (out_features, in_features) for a matrix). `raw` is only read."""
+    (numpy/HF row-major: (out_features, in_features) for a matrix). `raw` is only read.
+    ConfigError for a type with no dequantization (integer tensors, Q8_K, ...)."""
     kind = ggml_type_of(ggml_type)
     shape = tuple(reversed(dims))
     if kind in _PLAIN_DTYPES:
@@ -86,7 +87,10 @@ def dequantize(raw: torch.Tensor, ggml_type: int, dims: tuple[int, ...], dtype: 
     blocks = raw.view(-1, type_size)  # (num_blocks, type_size)
     kernel = _BLOCK_KERNELS.get(kind)
     if kernel is None:  # rarer types: gguf's numpy code, one float32 copy of the tensor
-        values = gguf_dequantize(blocks.numpy(), kind)  # (num_blocks, block_size)
+        try:
+            values = gguf_dequantize(blocks.numpy(), kind)  # (num_blocks, block_size)
+        except NotImplementedError:
+            raise ConfigError("tensor type", kind.name, "not a weight type pdserve can dequantize") from None
         return torch.from_numpy(values).reshape(shape).to(dtype)
     out = torch.empty(shape, dtype=dtype)
     out_blocks = out.view(-1, block_size)  # (num_blocks, block_size)

@@ -1,6 +1,7 @@
 """`pdserve router`'s exit statuses for settings it refuses and a worker it cannot reach."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +19,11 @@ def test_more_than_one_worker_is_refused(capsys: pytest.CaptureFixture[str]) -> 
         "pdserve router: workers='127.0.0.1:1,127.0.0.1:2': the router serves exactly one worker\n")
 
 
-def test_unreachable_worker_exits_1_after_the_wait() -> None:
+def test_unreachable_worker_exits_1_after_the_wait(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "router", "--worker", "127.0.0.1:1", "--worker-wait-timeout", "0.5"],
+        [sys.executable, "-m", "pdserve.cli", "router", "--worker", "127.0.0.1:1", "--worker-wait-timeout", "0.5",
+         "--cache-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.startswith("pdserve router: worker 127.0.0.1:1 unavailable: ")
+    assert sorted(p.name.split(".", 1)[1] for p in tmp_path.iterdir()) == ["spec.json", "tokenizer.json"]

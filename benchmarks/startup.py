@@ -1,0 +1,207 @@
+"""Startup time and peak memory on the default GGUF model (SmolLM2-135M Q4_1).
+
+Every figure comes from a fresh Python process, so imports and first-touch page faults
+count as they do for a real start:
+- metadata parse: `gguf.GGUFReader` against pdserve's own `read_gguf`;
+- worker: `build_llm_engine` (weights, KV cache, tokenizer) without a conversion cache,
+  filling an empty cache, and reading a filled one;
+- router: `load_tokenizer` without and with the cache (and whether torch got imported);
+- with `--serve`: `pdserve serve` until it prints its ready banner, then one completion,
+  with the peak RSS (VmHWM) of its processes summed, for an empty and a filled cache.
+A benchmark, not a test: nothing here is asserted.
+
+    python benchmarks/startup.py --json startup.json [--serve]
+"""
+import argparse
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+CHILD_TIMEOUT_S = 300
+SERVE_READY_TIMEOUT_S = 180
+SERVE_STOP_TIMEOUT_S = 30
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure_parse(_: argparse.Namespace) -> dict:
+    import gguf
+
+    from pdserve.common.gguf_file import read_gguf
+    from pdserve.common.model_source import default_model_path
+    path = default_model_path()
+    start = time.perf_counter()
+    ours = read_gguf(path)
+    ours_s = time.perf_counter() - start
+    start = time.perf_counter()
+    reader = gguf.GGUFReader(path)
+    reader_s = time.perf_counter() - start
+    return {"read_gguf_s": ours_s, "gguf_reader_s": reader_s, "num_keys": len(ours.metadata),
+            "num_tensors": len(reader.tensors)}
+
+
+def measure_worker(args: argparse.Namespace) -> dict:
+    start = time.perf_counter()
+    from pdserve.common.model_source import default_model_path
+    from pdserve.engine.scheduler import SchedulerConfig
+    from pdserve.kvcache import KvCacheConfig
+    from pdserve.worker.bootstrap import EngineSpec, build_llm_engine
+    imported = time.perf_counter()
+    spec = EngineSpec(model=default_model_path(), served_model_name="smollm2", dtype=args.dtype, device="cpu",
+                      kv=KvCacheConfig(max_total_bytes=args.kv_mib << 20),
+                      scheduler=SchedulerConfig(64, 2048, 2048), cache_dir=args.cache_dir or None)
+    build_llm_engine(spec)
+    done = time.perf_counter()
+    return {"import_s": imported - start, "build_s": done - imported, "total_s": done - start,
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def measure_tokenizer(args: argparse.Namespace) -> dict:
+    start = time.perf_counter()
+    from pdserve.common.tokenizer import load_tokenizer
+    imported = time.perf_counter()
+    tokenizer = load_tokenizer(None, args.cache_dir or None)
+    done = time.perf_counter()
+    return {"import_s": imported - start, "load_s": done - imported, "total_s": done - start,
+            "peak_rss_mib": peak_rss_mib(), "imports_torch": "torch" in sys.modules,
+            "hello_world_ids": tokenizer.encode("Hello world")}
+
+
+CHILDREN = {"parse": measure_parse, "worker": measure_worker, "tokenizer": measure_tokenizer}
+
+
+def run_child(kind: str, args: argparse.Namespace, cache_dir: str = "") -> dict:
+    command = [sys.executable, __file__, "--child", kind, "--dtype", args.dtype, "--kv-mib", str(args.kv_mib),
+               "--cache-dir", cache_dir]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vm_hwm_mib(pid: int) -> float:
+    """Peak RSS of one live process, from /proc (0 when it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    line = next(line for line in status.splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def measure_serve(args: argparse.Namespace, cache_dir: str) -> dict:
+    """`pdserve serve` until its banner, one completion, peak RSS; then stop it."""
+    port, worker_port = free_port(), free_port()
+    command = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port",
+               str(worker_port), "--dtype", args.dtype, "--cache-dir", cache_dir, "--log-level", "warning"]
+    start = time.perf_counter()
+    serve = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready_s = _wait_for_banner(serve, start)
+        answer_s = _one_completion(port) if ready_s is not None else None
+        processes = [serve.pid, *child_pids(serve.pid)]
+        peaks = {pid: vm_hwm_mib(pid) for pid in processes}
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            serve.wait(SERVE_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait(SERVE_STOP_TIMEOUT_S)
+    return {"ready_s": ready_s, "first_completion_s": answer_s,
+            "peak_rss_mib_per_process": list(peaks.values()), "peak_rss_mib_sum": sum(peaks.values())}
+
+
+def _wait_for_banner(serve: subprocess.Popen, start: float) -> float | None:
+    deadline, stdout = start + SERVE_READY_TIMEOUT_S, serve.stdout
+    if stdout is None:
+        return None
+    os.set_blocking(stdout.fileno(), False)
+    while time.perf_counter() < deadline and serve.poll() is None:
+        line = stdout.readline()
+        if "is ready at" in line:
+            return time.perf_counter() - start
+        if not line:
+            time.sleep(0.05)
+    return None
+
+
+def _one_completion(port: int) -> float:
+    body = json.dumps({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "The capital of France is",
+                       "max_tokens": 8}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=60) as response:
+        response.read()
+    return time.perf_counter() - start
+
+
+def run_all(args: argparse.Namespace) -> dict:
+    results: dict = {"machine": platform.platform(), "cpus": os.cpu_count(), "dtype": args.dtype,
+                     "kv_mib": args.kv_mib, "parse": run_child("parse", args)}
+    with tempfile.TemporaryDirectory(prefix="pdserve-startup-") as root:
+        cache = str(Path(root) / "cache")
+        results["worker"] = {"no_cache": run_child("worker", args), "empty_cache": run_child("worker", args, cache),
+                             "filled_cache": run_child("worker", args, cache)}
+        results["router_tokenizer"] = {"no_cache": run_child("tokenizer", args),
+                                       "filled_cache": run_child("tokenizer", args, cache)}
+        results["cache_bytes"] = sum(p.stat().st_size for p in Path(cache).iterdir())
+        if args.serve:
+            serve_cache = str(Path(root) / "serve-cache")
+            results["serve"] = {"empty_cache": measure_serve(args, serve_cache),
+                                "filled_cache": measure_serve(args, serve_cache)}
+    return results
+
+
+def print_table(results: dict) -> None:
+    parse = results["parse"]
+    print(f"metadata parse: GGUFReader {parse['gguf_reader_s']:.2f} s, read_gguf {parse['read_gguf_s']:.3f} s")
+    for group in ("worker", "router_tokenizer", "serve"):
+        for case, row in results.get(group, {}).items():
+            figures = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+            print(f"{group:17s} {case:13s} {figures}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", help="serving dtype of the worker")
+    parser.add_argument("--kv-mib", type=int, default=256, help="KV cache size of the measured worker build")
+    parser.add_argument("--serve", action="store_true", help="also time a whole `pdserve serve` start")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(CHILDREN[args.child](args)))
+        return
+    results = run_all(args)
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

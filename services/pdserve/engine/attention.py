@@ -1,8 +1,10 @@
 """Paged attention: write each new token's K/V into its block slot, attend over the context.
 
 `plan_attention` turns a `ForwardBatch` into index tensors once per step; every layer reuses
-them. Chunks of one token (decode) are attended together in one padded batch; longer chunks
-(prefill, chunked prefill, prefill over a cached prefix) are attended one by one.
+them. Chunks of one token (decode) are attended together, in padded groups of sequences
+(`decode_attention`); longer chunks (prefill, chunked prefill, prefill over a cached prefix)
+are attended one by one with SDPA. A sliding window only masks: blocks older than the
+window are still gathered.
 
     # | start_pos tokens already in KV | chunk tokens |   context_len = start_pos + len(chunk)
 """

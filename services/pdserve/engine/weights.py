@@ -5,6 +5,7 @@ A directory holds `config.json` and either `model.safetensors` or shards listed 
 same pair (HF config dict, HF-named tensors). Nothing here touches the network.
 """
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     return [path / name for name in shard_names]
 
 
-def _read_safetensors(path: Path):
+def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) from every shard, in file order."""
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as shard:

@@ -11,6 +11,7 @@ from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.engine.weights import load_model_config, resolve_device
 from pdserve.kvcache import KvCacheConfig
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine
+from pdserve.worker.kv_events import kv_events_service
 from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.roles import build_role, close_role, run_background
 from pdserve.worker.server import serve_until_stopped
@@ -61,11 +62,13 @@ async def run_worker(settings: WorkerSettings) -> None:
         log.info("metrics on http://%s:%d/metrics", settings.host, port)
     engine.start()
     background = asyncio.create_task(run_background(parts, engine, metrics))
+    stop = _stop_on_signals()
+    services = [*parts.services, kv_events_service(engine, stop)]
     try:
         log.info("serving %s (role %s) on %s:%d", settings.model_name, settings.role,
                  settings.host, settings.port)
-        await serve_until_stopped(parts.engine, settings.host, settings.port, _stop_on_signals(),
-                                  settings.drain_timeout_s, parts.services)
+        await serve_until_stopped(parts.engine, settings.host, settings.port, stop,
+                                  settings.drain_timeout_s, services)
     finally:
         background.cancel()
         await close_role(parts)

@@ -1,0 +1,152 @@
+"""The worker's KvEvents service: its KV cache events, streamed to routers, and snapshots.
+
+Events leave the engine thread through `ThreadedEngine.add_kv_event_listener` and reach the
+event loop with `call_soon_threadsafe`; each subscriber has a bounded queue of batches. A
+subscriber that falls behind is dropped with RESOURCE_EXHAUSTED (it subscribes again and
+resyncs from a snapshot), so a slow router never holds the engine or the worker's memory.
+
+Consistency contract: a subscriber registered before a snapshot was taken receives every
+event with `seq >= snapshot.next_seq`; the snapshot runs on the engine thread between steps.
+"""
+import asyncio
+import logging
+import uuid
+from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.kvcache import KvCacheManager, KvEvent
+from pdserve.rpc import kv_events as convert
+from pdserve.rpc.gen import kv_events_pb2 as pb
+from pdserve.rpc.gen import kv_events_pb2_grpc
+from pdserve.worker.async_engine import ThreadedEngine
+
+log = logging.getLogger(__name__)
+MAX_QUEUED_BATCHES = 1024
+SNAPSHOT_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True, eq=False)
+class _Subscriber:
+    """A bounded queue of batches; None, queued alone, marks a subscriber that fell behind."""
+
+    queue: asyncio.Queue[pb.KvEventBatch | None]
+    is_overflowed: bool = False
+
+    def offer(self, batch: pb.KvEventBatch) -> None:
+        if self.is_overflowed:
+            return
+        if self.queue.full():
+            self.is_overflowed = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(None)
+            return
+        self.queue.put_nowait(batch)
+
+
+class KvEventPublisher:
+    """Fans one engine's KV events out to subscribers. Build it inside the worker's event loop."""
+
+    def __init__(self, engine: ThreadedEngine, max_queued_batches: int = MAX_QUEUED_BATCHES) -> None:
+        self.epoch = uuid.uuid4().hex  # a restarted worker process is told apart by this
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._max_queued = max_queued_batches
+        self._subscribers: set[_Subscriber] = set()
+        engine.add_kv_event_listener(self._on_events)
+
+    def _on_events(self, events: list[KvEvent]) -> None:
+        """Engine thread. Events published while nobody listens are covered by the next snapshot."""
+        if not self._subscribers:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._fan_out, events)
+        except RuntimeError:  # the loop closed: the worker is exiting
+            pass
+
+    def _fan_out(self, events: list[KvEvent]) -> None:
+        batch = convert.batch_to_proto(self.epoch, events)
+        for subscriber in self._subscribers:
+            subscriber.offer(batch)
+
+    async def subscribe(self, stopping: asyncio.Event) -> AsyncIterator[pb.KvEventBatch]:
+        """An empty batch at once (the subscription is live), then every batch published.
+
+        Ends when `stopping` is set; raises `SubscriberOverflow` if the consumer fell behind."""
+        subscriber = _Subscriber(asyncio.Queue(self._max_queued))
+        self._subscribers.add(subscriber)
+        try:
+            yield pb.KvEventBatch(epoch=self.epoch)
+            while (batch := await _next_unless_stopping(subscriber.queue, stopping)) is not _STOPPING:
+                if batch is None:
+                    raise SubscriberOverflow(self._max_queued)
+                yield batch
+        finally:
+            self._subscribers.discard(subscriber)
+
+    async def snapshot(self) -> convert.KvSnapshot:
+        return await self._engine.call(_take_snapshot, self._engine.engine.kv, self.epoch,
+                                       timeout_s=SNAPSHOT_TIMEOUT_S)
+
+
+class SubscriberOverflow(Exception):
+    def __init__(self, max_queued: int) -> None:
+        super().__init__(f"subscriber fell {max_queued} event batches behind; subscribe again and resync")
+
+
+def _take_snapshot(kv: KvCacheManager, epoch: str) -> convert.KvSnapshot:
+    """Engine thread: every cached block and the seq of the first event not reflected."""
+    blocks = []
+    for block_hash in kv.cached_block_hashes():
+        block = kv.pool.lookup(block_hash)
+        if block is not None:
+            blocks.append((block_hash, block.tier))
+    return convert.KvSnapshot(epoch, kv.events.next_seq, tuple(blocks))
+
+
+_STOPPING = object()
+
+
+async def _next_unless_stopping(queue: asyncio.Queue, stopping: asyncio.Event) -> object:
+    """The queue's next item, or `_STOPPING` once `stopping` is set."""
+    if stopping.is_set():
+        return _STOPPING
+    getter = asyncio.ensure_future(queue.get())
+    stopper = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not getter.done():
+            getter.cancel()
+    return getter.result() if getter.done() and not getter.cancelled() else _STOPPING
+
+
+class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
+    """Serves a publisher; every Subscribe stream ends (UNAVAILABLE) once `stopping` is set."""
+
+    def __init__(self, publisher: KvEventPublisher, stopping: asyncio.Event) -> None:
+        self._publisher = publisher
+        self._stopping = stopping
+
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> None:
+        try:
+            async with aclosing(self._publisher.subscribe(self._stopping)) as batches:
+                async for batch in batches:
+                    await context.write(batch)
+        except SubscriberOverflow as exc:
+            log.warning("dropped a KV event subscriber: %s", exc)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is stopping")
+
+    async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> pb.SnapshotResponse:
+        return convert.snapshot_to_proto(await self._publisher.snapshot())
+
+
+def kv_events_service(engine: ThreadedEngine, stopping: asyncio.Event) -> Callable[[grpc.aio.Server], None]:
+    """The `WorkerServer` service hook adding KvEvents for `engine` (call inside the event loop)."""
+    servicer = KvEventsServicer(KvEventPublisher(engine), stopping)
+    return lambda server: kv_events_pb2_grpc.add_KvEventsServicer_to_server(servicer, server)

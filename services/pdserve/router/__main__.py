@@ -1,13 +1,14 @@
-"""`pdserve router`: wire settings, tokenizer, the worker's gRPC client and the HTTP app together.
+"""`pdserve router`: wire settings, tokenizer, the workers (pool, prefix index, KV event
+subscribers, routing) and the HTTP app together.
 
-Exit status: 0 after a clean stop (SIGINT/SIGTERM), 2 for a bad setting, 1 when the worker
-cannot be reached within `--worker-wait-timeout`.
+Exit status: 0 after a clean stop (SIGINT/SIGTERM), 2 for a bad setting or workers that
+disagree (model, block size, block-key algorithm), 1 when no decode-capable worker can be
+reached within `--worker-wait-timeout`.
 """
 import asyncio
 import logging
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from types import FrameType
 
@@ -15,21 +16,21 @@ import uvicorn
 
 from pdserve.common.errors import ConfigError, WorkerUnavailableError
 from pdserve.common.settings import RouterSettings, resolve_router_settings
-from pdserve.common.stats import ModelInfo
 from pdserve.common.tokenizer import Tokenizer, load_tokenizer
 from pdserve.router.app import create_app
-from pdserve.router.grpc_backend import GrpcBackend
+from pdserve.router.cluster import Cluster, ClusterConfig
+from pdserve.router.cost import CostWeights
+from pdserve.router.planner import Planner, RoutingConfig
+from pdserve.router.routed_backend import RoutedBackend
 from pdserve.router.serving import ApiLimits
+from pdserve.router.worker_pool import PoolConfig
 
-_RETRY_S = 0.5
 _log = logging.getLogger("pdserve.router")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = resolve_router_settings(argv)
-        if len(settings.workers) != 1:
-            raise ConfigError("workers", ",".join(settings.workers), "the router serves exactly one worker")
         tokenizer = load_tokenizer(settings.model, settings.cache_dir)
     except ConfigError as err:
         print(f"pdserve router: {err}", file=sys.stderr)
@@ -38,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         asyncio.run(_serve(settings, tokenizer))
+    except ConfigError as err:  # workers that cannot serve together
+        print(f"pdserve router: {err}", file=sys.stderr)
+        return 2
     except (WorkerUnavailableError, TimeoutError) as err:
         print(f"pdserve router: {err}", file=sys.stderr)
         return 1
@@ -52,34 +56,35 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 async def _serve(settings: RouterSettings, tokenizer: Tokenizer) -> None:
-    """Serve HTTP until a signal stops uvicorn; the app's shutdown closes the backend."""
-    backend = GrpcBackend(
-        settings.workers[0], rpc_timeout_s=settings.rpc_timeout_s, generate_timeout_s=settings.generate_timeout_s
-    )
+    """Serve HTTP until a signal stops uvicorn; the app's shutdown closes the cluster."""
+    cluster = Cluster(cluster_config(settings))
     try:
-        info = await _wait_for_worker(backend, settings.worker_wait_timeout_s)
+        info = await cluster.start()
+        planner = Planner(cluster.pool, cluster.index, routing_config(settings), info.tokens_per_block)
     except BaseException:
-        await backend.close()
+        await cluster.close()
         raise
+    backend = RoutedBackend(cluster, planner, info, settings.session_header)
     limits = ApiLimits(first_output_timeout_s=settings.first_output_timeout_s, output_timeout_s=settings.output_timeout_s)
-    app = create_app(backend, tokenizer, info, settings.served_model_name, limits)
+    app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
-    _log.info("serving %s from worker %s on http://%s:%d", settings.served_model_name or info.model_name,
-              settings.workers[0], settings.host, settings.port)
+    _log.info("serving %s from %d worker(s), %s routing, on http://%s:%d",
+              settings.served_model_name or info.model_name, len(settings.workers), settings.routing_policy,
+              settings.host, settings.port)
     await uvicorn.Server(config).serve()
 
 
-async def _wait_for_worker(backend: GrpcBackend, timeout_s: float) -> ModelInfo:
-    """The worker's `ModelInfo`, retrying while it is unreachable, for at most `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return await backend.info()
-        except WorkerUnavailableError:
-            if time.monotonic() + _RETRY_S > deadline:
-                raise
-            await asyncio.sleep(_RETRY_S)
+def cluster_config(settings: RouterSettings) -> ClusterConfig:
+    pool = PoolConfig(settings.worker_poll_interval_s, settings.worker_failure_threshold,
+                      settings.worker_wait_timeout_s)
+    return ClusterConfig(settings.workers, pool, settings.rpc_timeout_s, settings.generate_timeout_s)
+
+
+def routing_config(settings: RouterSettings) -> RoutingConfig:
+    weights = CostWeights(prefill_load_scale=settings.prefill_load_scale, host_credit=settings.host_cache_hit_weight,
+                          disk_credit=settings.disk_cache_hit_weight)
+    return RoutingConfig(settings.routing_policy, settings.router_temperature, weights, settings.session_ttl_s)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
     from pdserve.common.stats import EngineStats, ModelInfo
 
 
@@ -34,3 +36,21 @@ class GenerateBackend(Protocol):
     async def info(self) -> ModelInfo: ...
 
     async def close(self) -> None: ...
+
+
+class Routing(Protocol):
+    """What the HTTP layer may ask of a backend that chooses among many workers.
+
+    - `session_header`: the request header whose value names a session (None: no affinity);
+      `for_session(id)` is the backend to run that session's requests on.
+    - `describe_route(request_id)`: the routing decision taken for a request, for a response
+      header; each decision is told once.
+    """
+
+    session_header: str | None
+
+    def for_session(self, session_id: str) -> GenerateBackend: ...
+
+    def describe_route(self, request_id: RequestId) -> str | None: ...
+
+    def metrics_collector(self) -> Collector: ...

@@ -13,10 +13,10 @@ def test_bad_setting_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> No
     assert capsys.readouterr().err == "pdserve router: --port=0: must be in 1..65535\n"
 
 
-def test_more_than_one_worker_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--worker", "127.0.0.1:1,127.0.0.1:2"]) == 2
+def test_a_worker_named_twice_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--worker", "127.0.0.1:1,127.0.0.1:2", "--worker", "127.0.0.1:1"]) == 2
     assert capsys.readouterr().err == (
-        "pdserve router: workers='127.0.0.1:1,127.0.0.1:2': the router serves exactly one worker\n")
+        "pdserve router: --worker='127.0.0.1:1,127.0.0.1:2,127.0.0.1:1': names a worker twice\n")
 
 
 def test_unreachable_worker_exits_1_after_the_wait(tmp_path: Path) -> None:

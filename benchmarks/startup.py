@@ -10,13 +10,14 @@ count as they do for a real start:
   with the peak RSS (VmHWM) of its processes summed, for an empty and a filled cache.
 A benchmark, not a test: nothing here is asserted.
 
-    python benchmarks/startup.py --json startup.json [--serve]
+    python benchmarks/startup.py --json startup.json [--serve [--serve-flags '--kv-cache-memory 256MiB']]
 """
 import argparse
 import json
 import os
 import platform
 import resource
+import shlex
 import signal
 import socket
 import subprocess
@@ -115,7 +116,8 @@ def measure_serve(args: argparse.Namespace, cache_dir: str) -> dict:
     """`pdserve serve` until its banner, one completion, peak RSS; then stop it."""
     port, worker_port = free_port(), free_port()
     command = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port",
-               str(worker_port), "--dtype", args.dtype, "--cache-dir", cache_dir, "--log-level", "warning"]
+               str(worker_port), "--dtype", args.dtype, "--cache-dir", cache_dir, "--log-level", "warning",
+               *shlex.split(args.serve_flags)]
     start = time.perf_counter()
     serve = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -161,7 +163,7 @@ def _one_completion(port: int) -> float:
 
 def run_all(args: argparse.Namespace) -> dict:
     results: dict = {"machine": platform.platform(), "cpus": os.cpu_count(), "dtype": args.dtype,
-                     "kv_mib": args.kv_mib, "parse": run_child("parse", args)}
+                     "kv_mib": args.kv_mib, "serve_flags": args.serve_flags, "parse": run_child("parse", args)}
     with tempfile.TemporaryDirectory(prefix="pdserve-startup-") as root:
         cache = str(Path(root) / "cache")
         results["worker"] = {"no_cache": run_child("worker", args), "empty_cache": run_child("worker", args, cache),
@@ -190,6 +192,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="serving dtype of the worker")
     parser.add_argument("--kv-mib", type=int, default=256, help="KV cache size of the measured worker build")
     parser.add_argument("--serve", action="store_true", help="also time a whole `pdserve serve` start")
+    parser.add_argument("--serve-flags", default="", help="more `pdserve serve` flags, e.g. '--kv-cache-memory 256MiB'")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)

@@ -2,7 +2,8 @@
 
 One entry is one safetensors file, `<key>.<dtype>.safetensors`, whose header metadata also
 holds the HF config, so an entry is written (and replaced) in a single atomic rename. The
-key covers the GGUF file's path, size and mtime and `CONVERTER_VERSION`.
+key covers the GGUF file's path, size and mtime and `CONVERTER_VERSION`. `safetensors`
+writes it; it is read back here with plain reads (see `_read` for why not a map).
 
 An entry that cannot be read back whole (truncated, header garbled, wrong dtype or tensor
 count) counts as absent: the caller converts again and overwrites it. Tensor bytes carry no
@@ -10,20 +11,23 @@ checksum; a flipped bit inside the data is not detected.
 """
 import json
 import logging
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from pdserve.common.conversion_cache import cache_key, write_file_atomically
 
 CONVERTER_VERSION = 1  # bump when the conversion's output changes, to invalidate old entries
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _log = logging.getLogger(__name__)
 
 
 def entry_path(gguf_path: str, dtype: torch.dtype, cache_dir: str) -> Path:
+    """Where the conversion of `gguf_path` to `dtype` is kept (whether or not it exists)."""
     dtype_name = str(dtype).removeprefix("torch.")
     return Path(cache_dir) / f"{cache_key(gguf_path, 'weights', CONVERTER_VERSION, dtype_name)}.{dtype_name}.safetensors"
 
@@ -37,7 +41,7 @@ def read_entry(gguf_path: str, dtype: torch.dtype,
         return None
     try:
         return _read(path, dtype)
-    except (OSError, SafetensorError, ValueError, KeyError) as err:  # ValueError covers bad JSON
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:  # ValueError covers bad JSON
         _log.warning("ignoring damaged cache entry %s (%s); converting again", path, err)
         return None
 
@@ -57,16 +61,33 @@ def write_entry(gguf_path: str, dtype: torch.dtype, cache_dir: str,
 
 
 def _read(path: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    with safe_open(str(path), framework="pt") as entry:
-        metadata = entry.metadata() or {}
-        if metadata.get("dtype") != str(dtype):
-            raise ValueError(f"entry holds {metadata.get('dtype')}, not {dtype}")
-        names = list(entry.keys())
-        if str(len(names)) != metadata.get("num_tensors"):
-            raise ValueError(f"entry holds {len(names)} tensors, its header says {metadata.get('num_tensors')}")
-        config = json.loads(metadata["config"])
-        tensors = {name: entry.get_tensor(name) for name in names}
-    wrong = [name for name, tensor in tensors.items() if tensor.dtype != dtype]
-    if wrong:
-        raise ValueError(f"tensors {wrong[:3]} are not {dtype}")
-    return config, tensors
+    """The entry's config and tensors, read (not mapped) into fresh tensors: a mapped entry
+    would keep every page of the file resident for as long as any one tensor lived, including
+    those of weights the model has already copied into fused matrices.
+
+    Layout: | header length u64 | JSON header {name: {dtype, shape, data_offsets}, __metadata__} | data |
+    """
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        metadata = header.pop("__metadata__", {})
+        if metadata.get("dtype") != str(dtype) or metadata.get("num_tensors") != str(len(header)):
+            raise ValueError(f"header says dtype {metadata.get('dtype')} and {metadata.get('num_tensors')} tensors, "
+                             f"wanted {dtype} and found {len(header)}")
+        tensors = {name: _read_tensor(f, 8 + header_len, entry, dtype) for name, entry in header.items()}
+        if f.read(1):
+            raise ValueError("bytes after the last tensor")
+    return json.loads(metadata["config"]), tensors
+
+
+def _read_tensor(f: BinaryIO, data_start: int, entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    if _SAFETENSORS_DTYPES.get(entry["dtype"]) != dtype:
+        raise ValueError(f"a tensor is {entry['dtype']}, not {dtype}")
+    begin, end = entry["data_offsets"]
+    tensor = torch.empty(entry["shape"], dtype=dtype)
+    if tensor.numel() * tensor.element_size() != end - begin:
+        raise ValueError(f"a tensor of shape {entry['shape']} spans {end - begin} bytes")
+    f.seek(data_start + begin)
+    if f.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - begin:
+        raise ValueError("the file ends inside a tensor")
+    return tensor

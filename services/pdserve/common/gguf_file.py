@@ -1,8 +1,8 @@
 """A GGUF file's header, metadata and tensor directory, parsed with `struct` over an `mmap`.
 
 `gguf.GGUFReader` wraps every metadata value, down to each character count of a 49k-entry
-vocabulary, in its own numpy view: seconds per open. This reader builds plain Python values
-instead (about a hundredth of that) and leaves tensor bytes in place: `GgufFile.data`
+vocabulary, in its own numpy view: 2-5 s per open of SmolLM2. This reader builds plain Python
+values instead (about 0.05 s) and leaves tensor bytes in place: `GgufFile.data`
 returns a zero-copy view of one tensor's bytes. Torch- and numpy-free, so the router can
 read a tokenizer with it. Little-endian GGUF versions 2 and 3.
 

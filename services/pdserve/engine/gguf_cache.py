@@ -29,7 +29,8 @@ _log = logging.getLogger(__name__)
 def entry_path(gguf_path: str, dtype: torch.dtype, cache_dir: str) -> Path:
     """Where the conversion of `gguf_path` to `dtype` is kept (whether or not it exists)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    return Path(cache_dir) / f"{cache_key(gguf_path, 'weights', CONVERTER_VERSION, dtype_name)}.{dtype_name}.safetensors"
+    key = cache_key(gguf_path, "weights", CONVERTER_VERSION, dtype_name)
+    return Path(cache_dir) / f"{key}.{dtype_name}.safetensors"
 
 
 def read_entry(gguf_path: str, dtype: torch.dtype,

@@ -6,7 +6,7 @@ going down loses its subscriber and its index entries. A subscriber whose stream
 with UNAVAILABLE takes its worker out of rotation.
 """
 import asyncio
-import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common.ids import WorkerId
@@ -14,13 +14,12 @@ from pdserve.common.stats import ModelInfo
 from pdserve.kvcache import HASH_ALGORITHM
 from pdserve.router.grpc_backend import GrpcBackend
 from pdserve.router.kv_events_client import KvEventsClient
-from pdserve.router.kv_subscriber import KvEventSubscriber
+from pdserve.router.kv_subscriber import EventSource, KvEventSubscriber
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registration import cluster_info
 from pdserve.router.routing_metrics import RoutingCollector, RoutingCounters
-from pdserve.router.worker_pool import PoolConfig, WorkerHandle, WorkerPool
+from pdserve.router.worker_pool import PoolConfig, WorkerClient, WorkerHandle, WorkerPool
 
-log = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 5.0
 
 
@@ -33,13 +32,17 @@ class ClusterConfig:
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig) -> None:
+    """`connect` and `events` build each worker's control and event clients (gRPC by default)."""
+
+    def __init__(self, config: ClusterConfig, connect: Callable[[str], WorkerClient] | None = None,
+                 events: Callable[[str], EventSource] | None = None) -> None:
         self._config = config
         self.index = PrefixIndex()
         self.counters = RoutingCounters()
-        self.pool = WorkerPool(config.addresses, self._connect, config.pool, HASH_ALGORITHM)
+        self.pool = WorkerPool(config.addresses, connect or self._connect, config.pool, HASH_ALGORITHM)
         self.pool.listener = self
-        self._event_clients = {WorkerId(a): KvEventsClient(a, config.rpc_timeout_s) for a in config.addresses}
+        make_events = events or (lambda address: KvEventsClient(address, config.rpc_timeout_s))
+        self._event_sources = {WorkerId(a): make_events(a) for a in config.addresses}
         self._subscribers: dict[WorkerId, asyncio.Task] = {}
 
     def _connect(self, address: str) -> GrpcBackend:
@@ -56,7 +59,7 @@ class Cluster:
     # ---- PoolListener --------------------------------------------------------------------------
 
     def worker_up(self, handle: WorkerHandle) -> None:
-        subscriber = KvEventSubscriber(handle.address, self._event_clients[handle.address], self.index,
+        subscriber = KvEventSubscriber(handle.address, self._event_sources[handle.address], self.index,
                                        self.counters, self.pool.mark_down, self._config.rpc_timeout_s)
         self._stop_subscriber(handle.address)
         self._subscribers[handle.address] = asyncio.create_task(subscriber.run(), name=f"kv-{handle.address}")
@@ -78,5 +81,5 @@ class Cluster:
             await asyncio.wait(tasks, timeout=_STOP_TIMEOUT_S)
         self._subscribers.clear()
         await self.pool.close()
-        await asyncio.gather(*(c.close() for c in self._event_clients.values()), return_exceptions=True)
+        await asyncio.gather(*(s.close() for s in self._event_sources.values()), return_exceptions=True)
 

@@ -31,6 +31,8 @@ class EventSource(Protocol):
 
     async def snapshot(self) -> KvSnapshot: ...
 
+    async def close(self) -> None: ...
+
 
 class _EpochChanged(Exception):
     """The worker restarted between the stream's first batch and now."""
@@ -67,7 +69,14 @@ class KvEventSubscriber:
             await asyncio.sleep(self._retry_s)
 
     async def _follow(self, reason: str) -> None:
+        """Never returns: it ends with the stream, leaving the worker's part unsynced."""
         self._index.mark_unsynced(self._worker)
+        try:
+            await self._apply_stream(reason)
+        finally:
+            self._index.mark_unsynced(self._worker)  # whatever ended the stream, events may be lost
+
+    async def _apply_stream(self, reason: str) -> None:
         async with aclosing(self._source.subscribe()) as batches:
             async with asyncio.timeout(self._first_batch_timeout_s):
                 first = await anext(batches)

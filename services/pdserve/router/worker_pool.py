@@ -117,6 +117,7 @@ class WorkerPool:
                 log.warning("worker %s did not answer at start; it joins when it does", handle.address)
             else:
                 self._bring_up(handle)
+        await asyncio.gather(*(self.poll(h) for h in self.handles.values() if h.is_up))  # first loads
         self._watchers = [asyncio.create_task(self._watch(h), name=f"watch-{h.address}")
                           for h in self.handles.values()]
         return infos

@@ -133,8 +133,8 @@ def test_the_routers_index_follows_the_worker_from_snapshot_and_events(threaded)
             await generate(threaded, "after", PROMPT)
             keys = hash_request_blocks(PROMPT, TPB)
             await until(lambda: index.overlaps(keys, [WORKER])[WORKER].num_blocks == 5)
+            assert index.overlaps(keys, [WORKER]) == {WORKER: Overlap(num_device=5)}
+            assert counters.resyncs == {(WORKER, "subscribe"): 1}
             task.cancel()
-        assert index.overlaps(keys, [WORKER]) == {WORKER: Overlap(num_device=5)}
-        assert counters.resyncs == {(WORKER, "subscribe"): 1}
 
     run(scenario())

@@ -1,0 +1,142 @@
+"""The routed backend: relays the chosen worker's stream with the prefill worker named, routes
+again when a worker is lost before answering, keeps dispatched load until the request ends,
+and tells each decision once."""
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pdserve.common.errors import WorkerUnavailableError
+from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.request import GenerationRequest, SamplingParams
+from pdserve.common.stats import EngineStats, WorkerRole
+from pdserve.router.cluster import Cluster, ClusterConfig
+from pdserve.router.cost import WorkerLoad
+from pdserve.router.kv_events_client import KvEventsUnsupported
+from pdserve.router.planner import Planner, RoutingConfig
+from pdserve.router.routed_backend import RoutedBackend, prompt_block_keys
+from pdserve.router.worker_pool import PoolConfig
+from pdserve.kvcache import hash_request_blocks
+from tests.unit.router.cluster_fakes import TPB, FakeWorker, info, stats
+
+PROMPT = tuple(range(300, 318))  # 18 tokens: 5 blocks, 4 full before the last token
+
+
+class NoEvents:
+    async def subscribe(self) -> AsyncIterator:
+        raise KvEventsUnsupported("no events in this test")
+        yield
+
+    async def snapshot(self):
+        raise KvEventsUnsupported("no events in this test")
+
+    async def close(self) -> None:
+        pass
+
+
+def request(rid: str = "r-0", salt: str | None = None) -> GenerationRequest:
+    return GenerationRequest(RequestId(rid), PROMPT, SamplingParams(max_tokens=2), cache_salt=salt)
+
+
+async def routed(workers: dict[str, FakeWorker], policy: str = "round_robin") -> RoutedBackend:
+    config = ClusterConfig(tuple(workers), PoolConfig(poll_interval_s=3600.0, failure_threshold=3, wait_timeout_s=0))
+    cluster = Cluster(config, workers.__getitem__, lambda address: NoEvents())
+    model = await cluster.start()
+    return RoutedBackend(cluster, Planner(cluster.pool, cluster.index, RoutingConfig(policy=policy), TPB), model)
+
+
+async def texts(backend: RoutedBackend, req: GenerationRequest) -> list[str]:
+    return [out.text async for out in backend.generate(req)]
+
+
+def test_block_keys_are_the_workers_own_salt_included() -> None:
+    assert prompt_block_keys(request(salt="t1"), TPB) == hash_request_blocks(PROMPT[:16], TPB, cache_salt="t1")
+    assert prompt_block_keys(request(), TPB) != prompt_block_keys(request(salt="t1"), TPB)
+
+
+def test_the_decode_worker_is_told_its_prefill_worker() -> None:
+    workers = {"p:1": FakeWorker("p:1", info(WorkerRole.PREFILL)), "d:2": FakeWorker("d:2", info(WorkerRole.DECODE))}
+
+    async def scenario() -> None:
+        backend = await routed(workers)
+        assert await texts(backend, request()) == ["t0", "t1"]
+        assert backend.describe_route(RequestId("r-0")) == (
+            "decode=d:2;decode_overlap=0;prefill=p:1;prefill_overlap=0;prompt_blocks=5")
+        assert backend.describe_route(RequestId("r-0")) is None  # told once
+        await backend.close()
+
+    asyncio.run(scenario())
+    assert (workers["d:2"].generated, workers["p:1"].generated) == ([("r-0", "p:1")], [])
+
+
+def test_a_worker_lost_before_answering_is_dropped_and_the_request_routed_again() -> None:
+    workers = {a: FakeWorker(a, info()) for a in ("a:1", "b:2")}
+
+    async def scenario() -> RoutedBackend:
+        backend = await routed(workers)  # round robin: a:1 first
+        workers["a:1"].is_down = True  # died after its last stats report
+        assert await texts(backend, request()) == ["t0", "t1"]
+        return backend
+
+    backend = asyncio.run(scenario())
+    assert workers["b:2"].generated == [("r-0", None)]
+    assert [h.address for h in backend._pool.up({WorkerRole.BOTH})] == ["b:2"]
+    assert backend._cluster.counters.retries == {"a:1": 1}
+    assert backend.describe_route(RequestId("r-0")) == "decode=b:2;decode_overlap=0;prompt_blocks=5"
+
+
+def test_a_stream_that_breaks_after_answering_fails_the_request() -> None:
+    workers = {a: FakeWorker(a, info()) for a in ("a:1", "b:2")}
+    workers["a:1"].fail_generate_after = 1
+
+    async def scenario() -> None:
+        backend = await routed(workers)
+        outputs = []
+        with pytest.raises(WorkerUnavailableError, match="stream broke"):
+            async for out in backend.generate(request()):
+                outputs.append(out.text)
+        assert outputs == ["t0"]
+
+    asyncio.run(scenario())
+    assert workers["b:2"].generated == []
+
+
+def test_every_worker_lost_is_unavailable() -> None:
+    workers = {a: FakeWorker(a, info()) for a in ("a:1", "b:2")}
+
+    async def scenario() -> None:
+        backend = await routed(workers)
+        for worker in workers.values():
+            worker.is_down = True
+        with pytest.raises(WorkerUnavailableError, match="no decode or aggregated worker is up"):
+            await texts(backend, request())
+        with pytest.raises(WorkerUnavailableError):
+            await backend.stats()
+
+    asyncio.run(scenario())
+
+
+def test_dispatched_load_counts_until_the_request_ends_its_prefill_part_until_the_first_output() -> None:
+    workers = {"p:1": FakeWorker("p:1", info(WorkerRole.PREFILL)), "d:2": FakeWorker("d:2", info(WorkerRole.DECODE))}
+
+    async def scenario() -> None:
+        backend = await routed(workers)
+        pool = backend._pool
+        stream = backend.generate(request())
+        loads = []
+        async for _ in stream:
+            loads.append((pool.load(pool.handles[WorkerId("p:1")]), pool.load(pool.handles[WorkerId("d:2")])))
+        loads.append((pool.load(pool.handles[WorkerId("p:1")]), pool.load(pool.handles[WorkerId("d:2")])))
+        assert loads == [(WorkerLoad(0, 0, 0), WorkerLoad(1, 5, 0))] * 2 + [(WorkerLoad(0, 0, 0), WorkerLoad(0, 0, 0))]
+
+    asyncio.run(scenario())
+
+
+def test_stats_sum_the_workers_in_rotation() -> None:
+    workers = {"a:1": FakeWorker("a:1", info(), stats(running=1, used=5)),
+               "b:2": FakeWorker("b:2", info(), stats(waiting=2, used=7, queued=30))}
+
+    async def scenario() -> EngineStats:
+        return await (await routed(workers)).stats()
+
+    assert asyncio.run(scenario()) == EngineStats(1, 2, 188, 200, 12, 30, 0, 0, 0)

@@ -1,0 +1,166 @@
+"""pdserve processes for the serving benchmarks: workers and a router on loopback.
+
+`ServingStack` starts each process as `python -m pdserve.cli <kind> <flags>`, waits (bounded)
+until it serves, records its start-to-ready time, reads its peak RSS (VmHWM from /proc) and
+stops every process it started when the `with` block ends (router first, SIGINT, then kill).
+Also builds the random-weight 160M Llama checkpoint (`--random-160m`).
+"""
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 20.0
+POLL_S = 0.2
+COMMAND = (sys.executable, "-m", "pdserve.cli")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def vm_hwm_mib(pid: int) -> float | None:
+    """Peak resident set size of a live process (VmHWM), None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), None)
+    return None if line is None else int(line.split()[1]) / 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """One process that became ready: what it is, its pid and how long it took."""
+
+    name: str
+    address: str  # host:port for a worker, http://host:port for the router
+    pid: int
+    ready_s: float
+
+
+def _is_worker_serving(address: str) -> bool:
+    from pdserve.rpc.probe import is_worker_serving
+
+    return is_worker_serving(address, 1.0)
+
+
+def _is_router_serving(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=2.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class ServingStack:
+    """Processes started for one measurement; a context manager that stops them all."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "ServingStack":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for process in reversed(self._processes):  # the router first, then its workers
+            _stop(process)
+
+    def _start(self, name: str, kind: str, flags: list[str], address: str, is_ready) -> Started:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        started_at = time.perf_counter()
+        process = subprocess.Popen([*COMMAND, kind, *flags], stdout=log, stderr=subprocess.STDOUT)
+        self._processes.append(process)
+        deadline = started_at + READY_TIMEOUT_S
+        while not is_ready():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}:\n{_tail(log.name)}")
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"{name} not ready within {READY_TIMEOUT_S:.0f} s:\n{_tail(log.name)}")
+            time.sleep(POLL_S)
+        return Started(name, address, process.pid, time.perf_counter() - started_at)
+
+    def start_worker(self, name: str, flags: list[str]) -> Started:
+        """A `pdserve worker` on a free loopback port; `flags` must not set --host/--port."""
+        address = f"127.0.0.1:{free_port()}"
+        host, port = address.split(":")
+        return self._start(name, "worker", ["--host", host, "--port", port, *flags], address,
+                           lambda: _is_worker_serving(address))
+
+    def start_router(self, workers: list[Started], flags: list[str]) -> Started:
+        """A `pdserve router` calling `workers` (one `--worker` each), ready when /v1/models answers."""
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        worker_flags = [arg for w in workers for arg in ("--worker", w.address)]
+        return self._start("router", "router", ["--port", str(port), *worker_flags, *flags], url,
+                           lambda: _is_router_serving(url))
+
+
+def _tail(path: str, num_chars: int = 3000) -> str:
+    return Path(path).read_text(errors="replace")[-num_chars:]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=STOP_TIMEOUT_S)
+
+
+RANDOM_160M = {"hidden_size": 1024, "intermediate_size": 3840, "num_hidden_layers": 8,
+               "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000}
+
+
+def _truncated_tokenizer_json(tokenizer_json: str, vocab_size: int) -> str:
+    """SmolLM2's byte-level BPE cut to its first `vocab_size` ids: merges whose parts or
+    result fall outside are dropped, so every text still encodes (bytes are low ids)."""
+    import json
+
+    spec = json.loads(tokenizer_json)
+    vocab = {piece: i for piece, i in spec["model"]["vocab"].items() if i < vocab_size}
+    merges = []
+    for merge in spec["model"]["merges"]:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if left in vocab and right in vocab and left + right in vocab:
+            merges.append(merge)
+    spec["model"].update(vocab=vocab, merges=merges)
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < vocab_size]
+    return json.dumps(spec)
+
+
+def make_random_160m(directory: Path) -> tuple[Path, int]:
+    """A random-weight Llama (hidden 1024, 8 layers, vocab 32000, tied embeddings) saved with
+    a 32000-id tokenizer. Returns the directory and the parameter count."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from pdserve.common.model_source import default_model_path
+
+    gguf = Path(default_model_path())
+    source = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer_file = directory / "tokenizer.json"
+    tokenizer_file.write_text(_truncated_tokenizer_json(source.backend_tokenizer.to_str(), 32000))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), bos_token=source.bos_token,
+                                        eos_token=source.eos_token, unk_token=source.unk_token)
+    tokenizer.chat_template = source.chat_template
+    torch.manual_seed(0)
+    config = LlamaConfig(**RANDOM_160M, max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         dtype="bfloat16")
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory, sum(p.numel() for p in model.parameters())

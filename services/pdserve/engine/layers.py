@@ -51,15 +51,20 @@ class RotaryEmbedding:
         self.inv_freq = rope_inverse_frequencies(config).to(device)  # (hd/2,)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) -> cos, sin each (T, 1, hd/2) in `dtype`; computed once per step."""
+        """positions (T,) -> (cos, signed sin), each (T, 1, hd) in `dtype`; once per step.
+
+        The sin table is negated on its first half, so `apply` needs only a swap of halves."""
         angles = torch.outer(positions.float(), self.inv_freq)  # (T, hd/2)
-        return angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+        cos, sin = angles.cos(), angles.sin()
+        cos_full = torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(1)
+        signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(1)
+        return cos_full, signed_sin
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (T, n, hd) -> rotated (T, n, hd), a new contiguous tensor."""
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x (T, n, hd) -> rotated (T, n, hd): x*cos + [x2, x1]*[-sin, sin], a new tensor."""
         first, second = x.chunk(2, dim=-1)  # (T, n, hd/2) each
-        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        return x * cos + torch.cat((second, first), dim=-1) * signed_sin
 
 
 class SwiGLU:

@@ -94,7 +94,7 @@ class CausalLM:
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """token_ids (T,) -> float32 logits (R, vocab) of the hidden rows `logit_rows` (R,)."""
         h = F.embedding(token_ids, self.embed)  # (T, H)
-        cos, sin = self.rope.cos_sin(plan.positions, h.dtype)  # (T, 1, hd/2) each
+        cos, sin = self.rope.cos_sin(plan.positions, h.dtype)  # (T, 1, hd) each
         for layer in self.layers:
             h = layer(h, cos, sin, plan, kv)
         if logit_rows.numel() == 0:

@@ -82,7 +82,7 @@ def test_read_copies_from_the_peer_and_empty_notify_sends_nothing(prefill: FakeT
     assert decode.drain_notifications() == []
 
 
-def test_injected_failure_fails_the_transfer_with_its_reason(fabric: FakeFabric, prefill: FakeTransport,
+def test_injected_failure_fails_the_transfer_with_its_reason_until_healed(fabric: FakeFabric, prefill: FakeTransport,
                                                              decode: FakeTransport) -> None:
     before = decode.kv.clone()
     fabric.inject(D, Fault.FAIL)
@@ -94,6 +94,9 @@ def test_injected_failure_fails_the_transfer_with_its_reason(fabric: FakeFabric,
     prefill.release(handle)
     assert decode.kv.equal(before)
     assert decode.drain_notifications() == []
+    fabric.heal(D)
+    run(prefill, prefill.write_blocks(D, ids(1), ids(1), b"req-1", timeout_s=5))
+    assert decode.drain_notifications() == [Notification(P, b"req-1")]
 
 
 def test_a_stalled_transfer_fails_at_its_deadline_and_is_cancelled(fabric: FakeFabric, clock: Clock,

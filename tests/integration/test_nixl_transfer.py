@@ -54,8 +54,7 @@ class Peer:
         return self.recv("snapshot")[1]
 
 
-@pytest.fixture
-def peer() -> Iterator[Peer]:
+def start_peer() -> Iterator[Peer]:
     context = multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe()
     process = context.Process(target=serve, args=(child_conn,), daemon=True)
@@ -64,6 +63,24 @@ def peer() -> Iterator[Peer]:
         yield Peer(process, conn)
     finally:
         stop(process, conn)
+
+
+@pytest.fixture(scope="module")
+def shared_peer() -> Iterator[Peer]:
+    """One decode process for the tests that leave it alive; each reads its state first."""
+    yield from start_peer()
+
+
+@pytest.fixture
+def peer(shared_peer: Peer) -> Peer:
+    shared_peer.notifications.clear()
+    return shared_peer
+
+
+@pytest.fixture
+def doomed_peer() -> Iterator[Peer]:
+    """A decode process of its own, for a test that kills it."""
+    yield from start_peer()
 
 
 def stop(process: multiprocessing.process.BaseProcess, conn: Connection) -> None:
@@ -92,7 +109,7 @@ def blocks(ids: list[int]) -> list[BlockId]:
 
 def test_written_blocks_land_byte_for_byte_and_others_stay(peer: Peer, prefill: NixlTransport) -> None:
     prefill.add_peer(DECODE, peer.decode_metadata)
-    source, expected = peer_kv(SPEC, seed=7), peer_kv(SPEC, seed=1)
+    source, expected = peer_kv(SPEC, seed=7), peer.snapshot()
 
     first_local, first_remote = [3, 0, 7], [9, 2, 14]
     handle = prefill.write_blocks(DECODE, blocks(first_local), blocks(first_remote), b"", TRANSFER_TIMEOUT_S)
@@ -116,11 +133,12 @@ def test_written_blocks_land_byte_for_byte_and_others_stay(peer: Peer, prefill: 
 def test_read_blocks_copies_the_peers_blocks(peer: Peer, prefill: NixlTransport,
                                              prefill_kv: torch.Tensor) -> None:
     prefill.add_peer(DECODE, peer.decode_metadata)
+    original = peer.snapshot()
     handle = prefill.read_blocks(DECODE, blocks([15, 1]), blocks([4, 11]), b"", TRANSFER_TIMEOUT_S)
     prefill.wait(handle)
     prefill.release(handle)
 
-    expected, original = peer_kv(SPEC, seed=7), peer_kv(SPEC, seed=1)
+    expected = peer_kv(SPEC, seed=7)
     expected[[4, 11]] = original[[15, 1]]
     assert prefill_kv.view(torch.uint8).equal(expected.view(torch.uint8))
     assert peer.snapshot().view(torch.uint8).equal(original.view(torch.uint8))
@@ -149,7 +167,9 @@ def test_metadata_whose_nixl_agent_is_another_worker_is_refused(peer: Peer, pref
     prefill.release(handle)
 
 
-def test_a_vanished_peer_fails_transfers_within_their_timeout_and_cannot_be_re_added(peer: Peer, prefill: NixlTransport) -> None:
+def test_a_vanished_peer_fails_transfers_within_their_timeout_and_cannot_be_re_added(
+        doomed_peer: Peer, prefill: NixlTransport) -> None:
+    peer = doomed_peer
     prefill.add_peer(DECODE, peer.decode_metadata)
     peer.conn.send(("die",))
     peer.process.join(timeout=REPLY_TIMEOUT_S)

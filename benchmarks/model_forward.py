@@ -4,7 +4,7 @@ A random-weight Llama (default shape: the common 160M Llama, hidden 768, 12 laye
 12 heads, intermediate 3072, vocab 32000) runs in bf16. Prefill computes every prompt in
 steps of at most `--prefill-budget` tokens; decode then runs `--decode-steps` steps with one
 new token for each of `--seqs` sequences per step, as a continuous batch would. Prints one
-JSON object (and writes it to `--out` when given).
+JSON object (and writes it to `--json PATH` when given, as `run_all.py` asks).
 
     .venv/bin/python benchmarks/model_forward.py --seqs 64 --prompt-len 128 --decode-steps 128
 """
@@ -30,7 +30,7 @@ def parse_args() -> argparse.Namespace:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--json", default=None, help="also write the JSON here")
     return p.parse_args()
 
 
@@ -109,10 +109,13 @@ def main() -> None:
     step_s = decode(runner, args.prompt_len, tables, args.decode_steps)
     steady = sorted(step_s[1:] or step_s)
     result = {
-        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
-        "params_m": round(sum(p.numel() for p in _weights(runner)) / 1e6, 1),
-        "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(),
-        "seqs": args.seqs, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
+        "config": {
+            "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
+            "params_m": round(sum(p.numel() for p in _weights(runner)) / 1e6, 1),
+            "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(),
+            "seqs": args.seqs, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
+            "tokens_per_block": args.tokens_per_block, "prefill_budget": args.prefill_budget,
+        },
         "prefill_tokens_per_s": round(args.seqs * args.prompt_len / prefill_s, 1),
         "decode_tokens_per_s": round(args.seqs * args.decode_steps / sum(step_s), 1),
         "decode_step_ms_p50": round(1e3 * steady[len(steady) // 2], 2),
@@ -120,8 +123,8 @@ def main() -> None:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             f.write(text + "\n")
 
 

@@ -1,4 +1,5 @@
-"""`pdserve serve` for real: the bundled model, a worker and a router as processes on loopback."""
+"""`pdserve serve` for real with its default topology: the bundled model, a prefill worker, a
+decode worker and a router as processes on loopback."""
 import json
 import os
 import signal
@@ -15,12 +16,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children_of(pid: int) -> list[int]:
@@ -44,11 +39,10 @@ def is_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def start_serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`pdserve serve` with its default topology; its workers' ports follow `--worker-port`."""
-    port, worker_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port",
-            str(worker_port), "--num-threads", "1", "--max-model-len", "512", "--startup-timeout", "150"]
+def start_serve(tmp_path: Path, port: int, worker_port: int, metrics_port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """`pdserve serve` with no topology flags: prefill on `worker_port`, decode on the next port."""
+    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port", str(worker_port),
+            "--metrics-port", str(metrics_port), "--max-model-len", "512", "--startup-timeout", "150"]
     with open(tmp_path / "serve.out", "wb") as out, open(tmp_path / "serve.err", "wb") as err:
         serve = subprocess.Popen(argv, stdout=out, stderr=err)
     url = f"http://127.0.0.1:{port}"
@@ -60,42 +54,93 @@ def start_serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     return serve, url
 
 
-def complete(url: str) -> dict[str, object]:
-    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}).encode()
+def complete(url: str, prompt: str) -> tuple[dict[str, object], str]:
+    """The completion and the route the router took (its `x-pdserve-route` header)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)
+        return json.load(response), response.headers["x-pdserve-route"]
 
 
-def test_serve_answers_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    serve, url = start_serve(tmp_path)
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+
+
+def free_ports() -> tuple[int, int, int]:
+    """Router port, worker base port and metrics base port, with each base's successor free too
+    (serve gives worker i the base + i); all five are held at once so no two coincide."""
+    held: list[socket.socket] = []
+    try:
+        router = bind_any(held)
+        return router, bind_pair(held), bind_pair(held)
+    finally:
+        for s in held:
+            s.close()
+
+
+def bind_any(held: list[socket.socket]) -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    held.append(s)
+    return s.getsockname()[1]
+
+
+def bind_pair(held: list[socket.socket]) -> int:
+    while True:
+        base = bind_any(held)
+        successor = socket.socket()
+        try:
+            successor.bind(("127.0.0.1", base + 1))
+        except OSError:
+            successor.close()
+            continue
+        held.append(successor)
+        return base
+
+
+LONG_PROMPT = "The history of the city is long. " * 12  # ~100 tokens: worth a prefill worker
+
+
+def test_serve_answers_through_prefill_and_decode_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    port, worker_port, metrics_port = free_ports()
+    serve, url = start_serve(tmp_path, port, worker_port, metrics_port)
     try:
         children = children_of(serve.pid)
-        answer = complete(url)
+        kinds = sorted(command_of(pid).split()[3] for pid in children)
+        answer, route = complete(url, LONG_PROMPT)
+        received = metric(metrics_port + 1, 'pdserve_kv_transfer_blocks_count{direction="received"}')
+        sent = metric(metrics_port, 'pdserve_kv_transfer_blocks_count{direction="sent"}')
     finally:
         serve.send_signal(signal.SIGINT)
         serve.wait(STOP_TIMEOUT_S)
-    assert len(children) == 2
+    assert kinds == ["router", "worker", "worker"]
     assert answer["usage"]["completion_tokens"] == 8  # type: ignore[index]
     assert answer["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert f"decode=127.0.0.1:{worker_port + 1}" in route and f"prefill=127.0.0.1:{worker_port}" in route
+    assert (sent, received) == (1.0, 1.0)  # one transfer of this prompt's blocks
     assert serve.returncode == 0
-    assert [is_alive(pid) for pid in children] == [False, False]
-    assert f"curl -s {url}/v1/completions" in (tmp_path / "serve.out").read_text()
+    assert [is_alive(pid) for pid in children] == [False, False, False]
+    out = (tmp_path / "serve.out").read_text()
+    assert f"  prefill  127.0.0.1:{worker_port}  metrics port {metrics_port}" in out
+    assert f"curl -s {url}/v1/completions" in out
 
 
-def test_a_killed_worker_stops_the_router_and_serve_exits_1(tmp_path: Path) -> None:
-    serve, _ = start_serve(tmp_path)
+def test_a_killed_decode_worker_stops_the_others_and_serve_exits_1(tmp_path: Path) -> None:
+    port, worker_port, metrics_port = free_ports()
+    serve, _ = start_serve(tmp_path, port, worker_port, metrics_port)
     try:
-        kinds = {command_of(pid).split()[3]: pid for pid in children_of(serve.pid)}
-        worker, router = kinds["worker"], kinds["router"]
-        worker_port = command_of(worker).split("--port ")[1].split()[0]
-        os.kill(worker, signal.SIGKILL)
+        children = {command_of(pid).split("--port ")[1].split()[0]: pid for pid in children_of(serve.pid)}
+        decode = children.pop(str(worker_port + 1))
+        os.kill(decode, signal.SIGKILL)
         serve.wait(STOP_TIMEOUT_S)
     finally:
         if serve.poll() is None:
             serve.send_signal(signal.SIGTERM)
             serve.wait(STOP_TIMEOUT_S)
     assert serve.returncode == 1
-    assert is_alive(router) is False
+    assert [is_alive(pid) for pid in children.values()] == [False, False]
     err_lines = (tmp_path / "serve.err").read_text().splitlines()
-    assert f"pdserve serve: worker at 127.0.0.1:{worker_port} exited unexpectedly with code -9; stopping" in err_lines
+    expected = f"pdserve serve: decode worker at 127.0.0.1:{worker_port + 1} exited unexpectedly with code -9; stopping"
+    assert expected in err_lines

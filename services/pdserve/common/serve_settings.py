@@ -24,9 +24,6 @@ from pdserve.common.settings import (
 )
 from pdserve.common.stats import WorkerRole
 
-# What `pdserve serve` starts without topology flags: the aggregated baseline (one role=both
-# worker) until the prefill and decode roles serve end to end.
-IS_DISAGGREGATED_BY_DEFAULT = False
 # Torch threads per worker when serve starts several workers and --num-threads is unset: each
 # worker would otherwise take every core, and the workers would contend for them.
 SHARED_MACHINE_NUM_THREADS = 1
@@ -36,7 +33,8 @@ _WORKER_FLAGS = {"host": "worker-host", "port": "worker-port"}
 
 @dataclass(frozen=True, slots=True)
 class ServeTopology:
-    """How many workers serve starts, and in which roles."""
+    """How many workers serve starts, and in which roles: by default one prefill and one decode
+    worker; aggregated, role=both workers (the baseline disaggregation is measured against)."""
 
     num_prefill: int | None = opt(None, parse=cv.optional(cv.parse_int), flag="prefill",
                                   help="prefill workers (default 1; 0: decode workers prefill themselves)")
@@ -57,9 +55,7 @@ class ServeTopology:
 
     @property
     def is_aggregated(self) -> bool:
-        is_split = self.num_prefill is not None or self.num_decode is not None
-        chosen = self.aggregated or self.num_aggregated is not None
-        return chosen or not (is_split or IS_DISAGGREGATED_BY_DEFAULT)
+        return self.aggregated or self.num_aggregated is not None
 
     def roles(self) -> tuple[WorkerRole, ...]:
         """Each worker's role, in start order: prefill workers, then decode workers."""

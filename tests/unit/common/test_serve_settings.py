@@ -1,7 +1,6 @@
 """`pdserve serve`'s settings: the flags split between router and workers, the topology."""
 import pytest
 
-from pdserve.common import serve_settings
 from pdserve.common.errors import ConfigError
 from pdserve.common.serve_settings import ServeSettings, ServeTopology, resolve_serve_settings
 from pdserve.common.settings import RouterSettings, WorkerSettings
@@ -50,11 +49,10 @@ def test_aggregated_serves_role_both_workers() -> None:
     assert roles_of(resolve_serve_settings(["--aggregated"], {"PDSERVE_WORKERS": "2"})) == [B, B]
 
 
-def test_default_topology_follows_the_module_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serve_settings, "IS_DISAGGREGATED_BY_DEFAULT", True)
-    assert roles_of(resolve_serve_settings([], NO_ENV)) == [P, D]
-    monkeypatch.setattr(serve_settings, "IS_DISAGGREGATED_BY_DEFAULT", False)
-    assert roles_of(resolve_serve_settings([], NO_ENV)) == [B]
+def test_default_topology_is_one_prefill_and_one_decode_worker_with_a_thread_each() -> None:
+    settings = resolve_serve_settings([], NO_ENV)
+    assert roles_of(settings) == [P, D]
+    assert [(w.port, w.num_threads) for w in settings.workers] == [(50051, 1), (50052, 1)]
 
 
 def test_several_workers_get_one_thread_each_unless_set() -> None:

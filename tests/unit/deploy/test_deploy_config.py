@@ -107,7 +107,8 @@ def test_k8s_deployments_resolve_and_the_router_calls_each_worker_service() -> N
 
 def test_k8s_services_select_their_deployments_pods() -> None:
     docs = load_k8s()
-    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] == "Deployment"}
+    deployments = (d for d in docs if d["kind"] == "Deployment")
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in deployments}
     for service in (d for d in docs if d["kind"] == "Service"):
         labels = pods[service["metadata"]["name"]]
         assert service["spec"]["selector"].items() <= labels.items()

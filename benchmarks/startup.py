@@ -10,7 +10,7 @@ count as they do for a real start:
   with the peak RSS (VmHWM) of its processes summed, for an empty and a filled cache.
 A benchmark, not a test: nothing here is asserted.
 
-    python benchmarks/startup.py --json startup.json [--serve [--serve-flags '--kv-cache-memory 256MiB']]
+    python benchmarks/startup.py --json startup.json [--serve [--serve-flags='--aggregated --kv-cache-memory 256MiB']]
 """
 import argparse
 import json
@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="serving dtype of the worker")
     parser.add_argument("--kv-mib", type=int, default=256, help="KV cache size of the measured worker build")
     parser.add_argument("--serve", action="store_true", help="also time a whole `pdserve serve` start")
-    parser.add_argument("--serve-flags", default="", help="more `pdserve serve` flags, e.g. '--kv-cache-memory 256MiB'")
+    parser.add_argument("--serve-flags", default="", help="more `pdserve serve` flags; pass as --serve-flags='--aggregated'")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)

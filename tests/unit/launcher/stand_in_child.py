@@ -25,8 +25,10 @@ else:
     signal.signal(signal.SIGINT, stop)
 if mode == "die-at-start":
     sys.exit(3)
-if mode != "never-ready":
-    ready_file.write_text(str(os.getpid()))
+if mode != "never-ready":  # written whole, then renamed: "ready" always holds the pid
+    partial = ready_file.with_suffix(".partial")
+    partial.write_text(str(os.getpid()))
+    partial.rename(ready_file)
 if mode == "die-later":
     time.sleep(0.3)
     sys.exit(4)

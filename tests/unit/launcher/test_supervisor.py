@@ -72,7 +72,9 @@ def test_a_group_starts_together_and_a_child_dying_in_it_is_named(tmp_path: Path
     with pytest.raises(ChildFailedError) as caught:
         supervisor.start_group(group)
     assert str(caught.value) == "decode exited with code 3 while starting"
-    assert supervisor.stop_all() == {"decode": 3, "prefill": 0}
+    codes = supervisor.stop_all()
+    assert list(codes) == ["decode", "prefill"] and codes["decode"] == 3
+    assert codes["prefill"] in (0, -signal.SIGTERM)  # stopped before or after its handler was set
 
 
 def test_a_group_shares_one_startup_deadline(tmp_path: Path) -> None:

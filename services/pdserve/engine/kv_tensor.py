@@ -23,7 +23,7 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """"auto" stores KV in the model dtype; "fp8" in float8_e4m3fn."""
+    """`auto` stores KV in the model dtype; `fp8` in float8_e4m3fn."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError("kv_cache_dtype", kv_cache_dtype, f"supported: {', '.join(KV_CACHE_DTYPES)}")
     return model_dtype if kv_cache_dtype == "auto" else FP8_DTYPE

@@ -14,7 +14,7 @@ from pdserve.engine.kv_tensor import (PagedKvCache, allocate_kv_tensor, bytes_pe
                                       kv_storage_dtype, num_blocks_for_budget)
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.weights import load_checkpoint
+from pdserve.engine.weights import load_checkpoint, load_model_config, resolve_device, resolve_dtype
 
 
 class ModelRunner:
@@ -36,14 +36,16 @@ class ModelRunner:
         """
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ConfigError("num_blocks", num_blocks, "give exactly one of num_blocks and kv_cache_bytes")
-        checkpoint = load_checkpoint(model_path, dtype, device, cache_dir)
-        config, model_dtype = checkpoint.config, checkpoint.dtype
+        # Every setting is checked, and the KV tensor allocated, before the weights are read.
+        config, target = load_model_config(model_path), resolve_device(device)
+        model_dtype = resolve_dtype(dtype, config)
         storage = kv_storage_dtype(kv_cache_dtype, model_dtype)
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(config, tokens_per_block, storage, kv_cache_bytes)
-        tensor = allocate_kv_tensor(config, num_blocks, tokens_per_block, storage, checkpoint.device)
-        model = CausalLM(config, checkpoint.tensors, checkpoint.device)
-        return cls(model, PagedKvCache(tensor, model_dtype, kv_scale), model_dtype, checkpoint.device)
+        kv = PagedKvCache(allocate_kv_tensor(config, num_blocks, tokens_per_block, storage, target),
+                          model_dtype, kv_scale)
+        checkpoint = load_checkpoint(model_path, dtype, target, cache_dir)
+        return cls(CausalLM(checkpoint.config, checkpoint.tensors, target), kv, model_dtype, target)
 
     @property
     def config(self) -> ModelConfig:

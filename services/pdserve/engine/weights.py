@@ -41,7 +41,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
-    """"auto" takes the checkpoint's own dtype when it is one we serve, else float32."""
+    """`auto` takes the checkpoint's own dtype when it is one we serve, else float32."""
     if name == "auto":
         return DTYPES.get(config.torch_dtype or "", torch.float32)
     if name not in DTYPES:
@@ -54,6 +54,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if _is_gguf(path):
         from pdserve.engine.gguf_loader import load_gguf_config
+        _check_gguf_exists(path)
         return ModelConfig.from_hf_config(load_gguf_config(str(path)))
     return ModelConfig.from_hf_config(_read_hf_config(path))
 
@@ -80,11 +81,15 @@ def _is_gguf(path: Path) -> bool:
 
 
 def _read_gguf(path: Path, dtype: str, cache_dir: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    if not path.is_file():
-        raise ConfigError("model_path", str(path), "no such GGUF file")
+    _check_gguf_exists(path)
     from pdserve.engine.gguf_loader import load_gguf
     # "auto" is resolved once the config is known; float32 loses nothing meanwhile.
     return load_gguf(str(path), DTYPES.get(dtype, torch.float32), cache_dir)
+
+
+def _check_gguf_exists(path: Path) -> None:
+    if not path.is_file():
+        raise ConfigError("model_path", str(path), "no such GGUF file")
 
 
 def _read_hf_config(path: Path) -> dict[str, Any]:

@@ -82,18 +82,22 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], tables, budget: int) 
     return time.perf_counter() - start
 
 
-def decode(runner: ModelRunner, prompt_len: int, tables, num_steps: int) -> list[float]:
-    """Per-step seconds of greedy decode of every sequence together."""
+def decode(runner: ModelRunner, prompt_len: int, tables, num_steps: int) -> tuple[list[float], list[float]]:
+    """Per-step (wall, process CPU) seconds of greedy decode of every sequence together.
+
+    CPU seconds are what the step cost this process: on a shared machine they stay steady
+    while wall time swings with other load (with several threads they add up across threads)."""
     last = [1] * len(tables)
-    times = []
+    wall, cpu = [], []
     for step in range(num_steps):
         pos = prompt_len + step
         batch = ForwardBatch(tuple(SeqChunk(str(i), (last[i],), pos, t) for i, t in enumerate(tables)))
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         out = runner.forward(batch)
         last = torch.cat(out.logits).argmax(dim=-1).tolist()
-        times.append(time.perf_counter() - start)
-    return times
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return wall, cpu
 
 
 def main() -> None:
@@ -106,8 +110,8 @@ def main() -> None:
     tables = block_tables(args)
     prefill(runner, prompts[:2], tables, args.prefill_budget)  # warm up kernels and allocator
     prefill_s = prefill(runner, prompts, tables, args.prefill_budget)
-    step_s = decode(runner, args.prompt_len, tables, args.decode_steps)
-    steady = sorted(step_s[1:] or step_s)
+    step_s, step_cpu_s = decode(runner, args.prompt_len, tables, args.decode_steps)
+    steady, steady_cpu = sorted(step_s[1:] or step_s), sorted(step_cpu_s[1:] or step_cpu_s)
     result = {
         "config": {
             "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
@@ -120,6 +124,7 @@ def main() -> None:
         "decode_tokens_per_s": round(args.seqs * args.decode_steps / sum(step_s), 1),
         "decode_step_ms_p50": round(1e3 * steady[len(steady) // 2], 2),
         "decode_step_ms_p90": round(1e3 * steady[int(len(steady) * 0.9)], 2),
+        "decode_step_cpu_ms_p50": round(1e3 * steady_cpu[len(steady_cpu) // 2], 2),
     }
     text = json.dumps(result, indent=2)
     print(text)

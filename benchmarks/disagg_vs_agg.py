@@ -17,13 +17,12 @@ moved KV and how many were prefilled locally. Ratios: disagg over agg-2, each ov
 import argparse
 import json
 import sys
-import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from serving_load import Workload, ratio, run_online
-from serving_stack import ServingStack, free_port, vm_hwm_mib
+from serving_stack import ServingStack, free_port, vm_hwm_mib, work_dir
 
 from pdserve.common.model_source import default_model_path
 
@@ -46,6 +45,8 @@ TOPOLOGIES = (Topology("agg-1", ("both",), None), Topology("agg-2", ("both", "bo
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the result here")
+    parser.add_argument("--keep-dir", metavar="DIR", help="keep process logs and raw `pdserve bench` JSON here "
+                        "(default: a temporary directory, removed at the end)")
     parser.add_argument("--model", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M GGUF)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -66,9 +67,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
+    """Random prompts, then the same lengths with a shared prefix: each its own seed, so the
+    second finds nothing of the first in the prefix cache."""
     common = dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                  max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, seed=args.seed)
-    return [Workload("random", **common), Workload(f"prefix{args.prefix_len}", prefix_len=args.prefix_len, **common)]
+                  max_concurrency=args.max_concurrency, num_warmups=args.num_warmups)
+    return [Workload("random", seed=args.seed, **common),
+            Workload(f"prefix{args.prefix_len}", prefix_len=args.prefix_len, seed=args.seed + 1, **common)]
 
 
 def worker_flags(args: argparse.Namespace, model: str, role: str, threads: int | None, metrics_port: int) -> list[str]:
@@ -93,7 +97,7 @@ def transfer_counters(metrics_port: int) -> dict[str, float]:
 def measure(args: argparse.Namespace, topology: Topology, model: str, out_dir: Path) -> list[dict]:
     """Start the topology, run every workload through its router, stop it."""
     log_dir = out_dir / topology.name
-    log_dir.mkdir()
+    log_dir.mkdir(exist_ok=True)
     ports = [free_port() for _ in topology.roles]
     with ServingStack(log_dir) as stack:
         workers = [stack.start_worker(f"{role}{i}", worker_flags(args, model, role, topology.num_threads, port))
@@ -127,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model_path()
     chosen = [t for t in TOPOLOGIES if args.only is None or t.name in args.only]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="disagg-vs-agg-") as scratch:
+    with work_dir(args.keep_dir, "disagg-vs-agg-") as out_dir:
         for topology in chosen:
             print(f"disagg_vs_agg: {topology.name} ({', '.join(topology.roles)})", flush=True)
-            rows += measure(args, topology, model, Path(scratch))
+            rows += measure(args, topology, model, out_dir)
     config = {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model,
               "topologies": [{"name": t.name, "roles": t.roles, "num_threads": t.num_threads} for t in chosen],
               "workloads": [w.as_dict() for w in workloads(args)]}

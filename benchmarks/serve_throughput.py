@@ -10,6 +10,10 @@ Starts the processes itself on loopback, then measures, in one run:
 `--compare-url` runs the same online workloads (same text, same seed) against any other
 OpenAI-compatible server right after, and reports pdserve / other ratios. Nothing is asserted.
 
+Each workload draws its own prompts (seeds `--seed`, +1, +2 for offline), so none finds
+another's prompts in the prefix cache. The compared server keeps its cache between runs:
+give each run another `--seed`, or restart that server.
+
     python benchmarks/serve_throughput.py --json serve.json
     python benchmarks/serve_throughput.py --num-prompts 8 --input-len 64 --output-len 16 --prefix-len 48
     python benchmarks/serve_throughput.py --random-160m --json serve-160m.json
@@ -18,11 +22,10 @@ OpenAI-compatible server right after, and reports pdserve / other ratios. Nothin
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from serving_load import Workload, ratio, run_offline, run_online
-from serving_stack import ServingStack, make_random_160m, vm_hwm_mib
+from serving_stack import ServingStack, make_random_160m, vm_hwm_mib, work_dir
 
 from pdserve.common.model_source import default_model_path
 from pdserve.common.tokenizer import load_tokenizer
@@ -33,6 +36,8 @@ COMPARED = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the result here")
+    parser.add_argument("--keep-dir", metavar="DIR", help="keep process logs and raw `pdserve bench` JSON here "
+                        "(default: a temporary directory, removed at the end)")
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M GGUF)")
     model.add_argument("--random-160m", action="store_true",
@@ -61,8 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def workloads(args: argparse.Namespace) -> list[Workload]:
     """The online workloads: random, then the same lengths with a shared prefix."""
     common = dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                  max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, seed=args.seed)
-    return [Workload("random", **common), Workload(f"prefix{args.prefix_len}", prefix_len=args.prefix_len, **common)]
+                  max_concurrency=args.max_concurrency, num_warmups=args.num_warmups)
+    return [Workload("random", seed=args.seed, **common),
+            Workload(f"prefix{args.prefix_len}", prefix_len=args.prefix_len, seed=args.seed + 1, **common)]
 
 
 def worker_flags(args: argparse.Namespace, model: str) -> list[str]:
@@ -82,7 +88,7 @@ def measure_pdserve(args: argparse.Namespace, model: str, out_dir: Path) -> list
         router = stack.start_router([worker], ["--model", model, "--log-level", "warning"])
         if not args.skip_offline:
             offline = Workload("offline", args.num_prompts, args.input_len, args.output_len,
-                               num_warmups=args.num_warmups, seed=args.seed)
+                               num_warmups=args.num_warmups, seed=args.seed + 2)
             rows.append(run_offline("pdserve", offline, worker.address, load_tokenizer(model)))
         rows += [run_online("pdserve", w, router.address, model, None, out_dir) for w in online]
         rows.insert(0, {"system": "pdserve", "workload": "startup", "worker_ready_s": worker.ready_s,
@@ -116,11 +122,10 @@ def ratios(rows: list[dict], label: str) -> dict[str, float | None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="serve-throughput-") as scratch:
-        out_dir = Path(scratch)
+    with work_dir(args.keep_dir, "serve-throughput-") as out_dir:
         model, num_params = args.model or default_model_path(), None
         if args.random_160m:
-            (out_dir / "random-160m").mkdir()
+            (out_dir / "random-160m").mkdir(exist_ok=True)
             path, num_params = make_random_160m(out_dir / "random-160m")
             model = str(path)
         rows = measure_pdserve(args, model, out_dir)

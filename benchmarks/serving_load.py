@@ -105,7 +105,7 @@ async def _generate_all(address: str, prompts: list[tuple[int, ...]], output_len
 def run_offline(system: str, workload: Workload, address: str, tokenizer: Tokenizer) -> dict:
     """Offline throughput of the worker at `address`: all prompts at once over gRPC."""
     prompts = offline_prompts(workload, tokenizer)
-    warmup = [tuple(reversed(p)) for p in prompts[: workload.num_warmups]]  # no prefix in common
+    warmup = [tuple(reversed(p)) for p in prompts[: workload.num_warmups]]  # nothing the run could reuse
     if warmup:
         asyncio.run(_generate_all(address, warmup, workload.output_len, "warmup"))
     started = time.perf_counter()

@@ -5,13 +5,16 @@ until it serves, records its start-to-ready time, reads its peak RSS (VmHWM from
 stops every process it started when the `with` block ends (router first, SIGINT, then kill).
 Also builds the random-weight 160M Llama checkpoint (`--random-160m`).
 """
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,17 @@ def vm_hwm_mib(pid: int) -> float | None:
         return None
     line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), None)
     return None if line is None else int(line.split()[1]) / 1024
+
+
+@contextlib.contextmanager
+def work_dir(keep: str | None, prefix: str) -> Iterator[Path]:
+    """`keep` (created if missing) when given, else a temporary directory removed afterwards."""
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        yield Path(keep)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        yield Path(scratch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ Contracts, beyond `GenerateBackend`'s:
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import fields
 
 from pdserve.common.errors import WorkerUnavailableError
@@ -24,6 +25,8 @@ from pdserve.router.cluster import Cluster
 from pdserve.router.planner import Planner, RouteDecision
 from pdserve.router.registration import DECODE_ROLES
 from pdserve.router.routing_metrics import RoutingCollector
+from pdserve.router.worker_load import Dispatch
+from pdserve.router.worker_pool import WorkerHandle
 
 log = logging.getLogger(__name__)
 MAX_KEPT_DECISIONS = 4096
@@ -54,9 +57,10 @@ class RoutedBackend:
             self._note(request.request_id, decision)
             has_output = False
             try:
-                async for output in self._dispatch(request, decision):
-                    has_output = True
-                    yield output
+                async with aclosing(self._dispatch(request, decision)) as outputs:
+                    async for output in outputs:
+                        has_output = True
+                        yield output
                 return
             except WorkerUnavailableError as exc:
                 worker = decision.decode.worker
@@ -79,16 +83,22 @@ class RoutedBackend:
         prefill_load = pool.dispatch(prefill, num_new_tokens, decision.num_prompt_blocks) if prefill else None
         self._live[request.request_id] = decision
         try:
-            async for output in decode.client.generate(request, prefill.address if prefill else None):
-                decode_load.num_prefill_tokens = 0
-                if prefill is not None and prefill_load is not None:
-                    pool.finish(prefill, prefill_load)
-                yield output
+            async with aclosing(decode.client.generate(request, prefill.address if prefill else None)) as outputs:
+                is_first = True
+                async for output in outputs:
+                    if is_first:  # the prompt is prefilled
+                        is_first = False
+                        pool.prefill_done(decode, decode_load)
+                        self._finish(prefill, prefill_load)
+                    yield output
         finally:
             self._live.pop(request.request_id, None)
             pool.finish(decode, decode_load)
-            if prefill is not None and prefill_load is not None:
-                pool.finish(prefill, prefill_load)
+            self._finish(prefill, prefill_load)
+
+    def _finish(self, handle: WorkerHandle | None, entry: Dispatch | None) -> None:
+        if handle is not None and entry is not None:
+            self._pool.finish(handle, entry)
 
     def _note(self, request_id: RequestId, decision: RouteDecision) -> None:
         counters = self._cluster.counters

@@ -7,11 +7,10 @@ block-key parameters, checked by `registration.py`. Then each worker's stats are
   polls in a row fail or `mark_down` is called (its stream broke); the listener hears both;
 - a down worker is polled on; once it answers, it registers again (its info is re-checked:
   it may have restarted with other settings) and comes back up;
-- `load` is the worker's last report plus every dispatch made since that report was asked for.
+- `load` is the worker's last report corrected by this router's own dispatches (`worker_load.py`).
 """
 import asyncio
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
 from pdserve.router.cost import WorkerLoad
 from pdserve.router.registration import DECODE_ROLES, check_all, check_worker
+from pdserve.router.worker_load import Dispatch, LoadBook
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.5
@@ -56,29 +56,23 @@ class PoolConfig:
 
 
 @dataclass(slots=True, eq=False)
-class Dispatch:
-    """A request's expected load on a worker, from dispatch until it ends."""
-
-    dispatched_at: float
-    num_prefill_tokens: int  # zeroed once its first output arrived (prefill done)
-    num_blocks: int
-
-
-@dataclass(slots=True, eq=False)
 class WorkerHandle:
     address: WorkerId
     client: WorkerClient
     info: ModelInfo | None = None  # last registration; None before the first
     is_up: bool = False
-    stats: EngineStats | None = None
-    stats_asked_at: float = -math.inf
     num_failures: int = 0
     refusal: str | None = None  # why an answering worker is kept out
-    dispatches: set[Dispatch] = field(default_factory=set)
+    book: LoadBook = field(default_factory=LoadBook)
 
     @property
     def role(self) -> WorkerRole | None:
         return None if self.info is None else self.info.role
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The worker's last load report."""
+        return self.book.report
 
 
 class WorkerPool:
@@ -139,22 +133,18 @@ class WorkerPool:
         return any(h.role == WorkerRole.PREFILL for h in self.handles.values())
 
     def load(self, handle: WorkerHandle) -> WorkerLoad:
-        stats = handle.stats
-        unreported = [d for d in handle.dispatches if d.dispatched_at >= handle.stats_asked_at]
-        num_requests = len(unreported) + (stats.num_running + stats.num_waiting if stats else 0)
-        num_blocks = sum(d.num_blocks for d in unreported) + (stats.num_used_blocks if stats else 0)
-        num_tokens = sum(d.num_prefill_tokens for d in unreported) + (stats.num_prefill_tokens_queued if stats else 0)
-        return WorkerLoad(num_requests, num_blocks, num_tokens)
+        return handle.book.load()
 
-    # ---- dispatch bookkeeping ------------------------------------------------------------------
+    # ---- dispatch bookkeeping (see worker_load.py) ---------------------------------------------
 
     def dispatch(self, handle: WorkerHandle, num_prefill_tokens: int, num_blocks: int) -> Dispatch:
-        entry = Dispatch(self._clock(), num_prefill_tokens, num_blocks)
-        handle.dispatches.add(entry)
-        return entry
+        return handle.book.dispatch(self._clock(), num_prefill_tokens, num_blocks)
+
+    def prefill_done(self, handle: WorkerHandle, entry: Dispatch) -> None:
+        handle.book.prefill_done(entry, self._clock())
 
     def finish(self, handle: WorkerHandle, entry: Dispatch) -> None:
-        handle.dispatches.discard(entry)
+        handle.book.finish(entry, self._clock())
 
     # ---- health --------------------------------------------------------------------------------
 
@@ -164,7 +154,7 @@ class WorkerPool:
         if not handle.is_up:
             return
         handle.is_up = False
-        handle.dispatches.clear()
+        handle.book.clear()
         log.warning("worker %s out of rotation: %s", address, reason)
         if self.listener is not None:
             self.listener.worker_down(handle)
@@ -180,7 +170,8 @@ class WorkerPool:
             if handle.num_failures >= self._config.failure_threshold:
                 self.mark_down(handle.address, f"{handle.num_failures} stats queries failed: {exc}")
             return
-        handle.stats, handle.stats_asked_at, handle.num_failures = stats, asked_at, 0
+        handle.book.record_report(stats, asked_at)
+        handle.num_failures = 0
         if not handle.is_up:
             await self._rejoin(handle)
 
@@ -194,7 +185,7 @@ class WorkerPool:
         except PdserveError as exc:
             self.mark_down(address, f"a request failed and so did a stats query: {exc}")
             return False
-        handle.stats, handle.stats_asked_at = stats, asked_at
+        handle.book.record_report(stats, asked_at)
         return handle.is_up
 
     async def _watch(self, handle: WorkerHandle) -> None:

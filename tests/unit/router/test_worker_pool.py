@@ -84,22 +84,54 @@ def test_probe_takes_an_unreachable_worker_out_at_once() -> None:
     assert pool.listener.events == [("up", A), ("up", B), ("down", A)]
 
 
-def test_load_adds_dispatches_made_since_the_last_report_was_asked_for() -> None:
+def test_load_corrects_the_last_report_with_dispatches_made_and_ended_since() -> None:
     clock = FakeClock()
     worker = FakeWorker(A, info(), stats(running=2, waiting=1, used=10, queued=40))
     pool = started({A: worker}, clock=clock)
     handle = pool.handles[A]
     before = pool.dispatch(handle, num_prefill_tokens=16, num_blocks=4)
     clock.now = 101.0
-    asyncio.run(pool.poll(handle))  # its report includes `before`
+    asyncio.run(pool.poll(handle))  # its report holds `before`
     clock.now = 102.0
     after = pool.dispatch(handle, num_prefill_tokens=8, num_blocks=3)
     assert pool.load(handle) == WorkerLoad(num_requests=4, num_active_blocks=13, num_prefill_tokens=48)
-    after.num_prefill_tokens = 0  # its first output arrived
+    pool.prefill_done(handle, after)
     assert pool.load(handle) == WorkerLoad(4, 13, 40)
+    pool.prefill_done(handle, before)  # the report's 40 queued tokens held its 16
+    assert pool.load(handle) == WorkerLoad(4, 13, 24)
     pool.finish(handle, after)
     pool.finish(handle, before)
+    pool.finish(handle, before)  # twice changes nothing
+    assert pool.load(handle) == WorkerLoad(2, 6, 24)
+    clock.now = 103.0
+    asyncio.run(pool.poll(handle))  # a report asked after the ends replaces every correction
     assert pool.load(handle) == WorkerLoad(3, 10, 40)
+
+
+def test_a_report_asked_before_a_request_ended_but_arriving_after_is_still_corrected() -> None:
+    clock = FakeClock()
+    worker = FakeWorker(A, info(), stats(running=1, used=11))
+    pool = started({A: worker}, clock=clock)
+    handle = pool.handles[A]
+    clock.now = 101.0
+    entry = pool.dispatch(handle, num_prefill_tokens=0, num_blocks=11)
+    clock.now = 102.0
+    asked_at = clock.now  # the query leaves while the request runs ...
+    clock.now = 103.0
+    pool.finish(handle, entry)  # ... the request ends ...
+    handle.book.record_report(worker.report, asked_at)  # ... and then the report arrives
+    assert pool.load(handle) == WorkerLoad(0, 0, 0)
+
+
+def test_corrections_never_take_a_figure_below_zero() -> None:
+    clock = FakeClock()
+    pool = started({A: FakeWorker(A, info(), stats(running=1, used=2))}, clock=clock)
+    handle = pool.handles[A]
+    early = pool.dispatch(handle, num_prefill_tokens=50, num_blocks=9)  # estimated 9 blocks
+    clock.now = 101.0
+    asyncio.run(pool.poll(handle))  # the worker reports 2
+    pool.finish(handle, early)
+    assert pool.load(handle) == WorkerLoad(0, 0, 0)
 
 
 def test_cluster_info_serves_the_shortest_context() -> None:

@@ -74,7 +74,7 @@ class Cluster:
             task.cancel()
 
     async def close(self) -> None:
-        tasks = list(self._subscribers.values())
+        tasks = [task for task in self._subscribers.values() if not task.done()]
         for task in tasks:
             task.cancel()
         if tasks:

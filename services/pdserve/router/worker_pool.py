@@ -117,9 +117,10 @@ class WorkerPool:
         return infos
 
     async def close(self) -> None:
-        for task in self._watchers:
+        running = [task for task in self._watchers if not task.done()]
+        for task in running:
             task.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
+        await asyncio.gather(*running, return_exceptions=True)
         await asyncio.gather(*(h.client.close() for h in self.handles.values()), return_exceptions=True)
 
     # ---- queries -------------------------------------------------------------------------------

@@ -147,6 +147,9 @@ def _llama_config(gguf: GgufFile) -> dict[str, Any]:
         "attention_bias": any(name.endswith("attn_q.bias") for name in names),
         "bos_token_id": _field(meta, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": _field(meta, "tokenizer.ggml.eos_token_id", None),
+        # GGUF weights are mostly quantized and name no float dtype; `--dtype auto` serves them
+        # in bfloat16 (half the memory of float32; native on CPUs with AVX-512 BF16 and on GPUs).
+        "torch_dtype": "bfloat16",
     }
 
 

@@ -20,7 +20,7 @@ log = logging.getLogger("pdserve.worker")
 
 # On CPU, a fraction of the machine's RAM would take most of it; without an explicit KV size
 # (--kv-cache-memory / --max-kv-tokens) a CPU worker's KV cache is capped at this.
-CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_DEFAULT_KV_BYTES = 512 << 20
 
 
 def engine_spec(settings: WorkerSettings) -> EngineSpec:

@@ -24,7 +24,7 @@ def test_f32_tensors_come_back_with_hf_names_and_hf_row_order(tmp_path):
         "num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
         "rms_norm_eps": pytest.approx(1e-5), "rope_theta": 50000.0, "max_position_embeddings": 256,
         "vocab_size": VOCAB, "tie_word_embeddings": True, "attention_bias": False,
-        "bos_token_id": 1, "eos_token_id": 2,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     }
 
 

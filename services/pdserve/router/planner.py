@@ -11,6 +11,7 @@ its last request used, while they remain candidates.
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import BlockHash, WorkerId
@@ -79,38 +80,35 @@ class Planner:
         blocks = num_prompt_blocks(num_prompt_tokens, self._tpb)
         overlaps = self._index.overlaps(block_hashes, [h.address for h in decoders + prefillers])
         sticky = self._sessions.get(session_id) if session_id else None
-        weights = self._config.weights
-
-        def local_cost(h: WorkerHandle, o: Overlap, load: WorkerLoad) -> float:
-            return prefill_cost(blocks, o, load, self._tpb, weights)
-
         prefill = None
         if prefillers:
-            _, prefill = self._pick(self._prefill_policy, prefillers, overlaps, local_cost,
-                                    sticky.prefill if sticky else None)
-
-        def remote_cost(h: WorkerHandle, o: Overlap, load: WorkerLoad) -> float:
-            if prefill is None or h.role == WorkerRole.BOTH:
-                return local_cost(h, o, load)
-            return decode_cost(blocks, o, load, weights) + prefill.cost
-
-        decode_handle, decode = self._pick(self._decode_policy, decoders, overlaps, remote_cost,
-                                           sticky.decode if sticky else None)
-        if decode_handle.role == WorkerRole.BOTH:
-            prefill = None
+            prefill = self._pick(self._prefill_policy, prefillers, overlaps, partial(self._local_cost, blocks),
+                                 sticky.prefill if sticky else None)
+        decode = self._pick(self._decode_policy, decoders, overlaps, partial(self._decode_cost, blocks, prefill),
+                            sticky.decode if sticky else None)
+        if self._pool.handles[decode.worker].role == WorkerRole.BOTH:
+            prefill = None  # it prefills its own prompts
         if session_id:
             self._sessions.remember(session_id, decode.worker, prefill.worker if prefill else None)
         return RouteDecision(decode, prefill, blocks, not prefillers and self._pool.has_prefill_workers)
 
+    def _local_cost(self, blocks: int, handle: WorkerHandle, overlap: Overlap, load: WorkerLoad) -> float:
+        return prefill_cost(blocks, overlap, load, self._tpb, self._config.weights)
+
+    def _decode_cost(self, blocks: int, prefill: Leg | None, handle: WorkerHandle, overlap: Overlap,
+                     load: WorkerLoad) -> float:
+        if prefill is None or handle.role == WorkerRole.BOTH:
+            return self._local_cost(blocks, handle, overlap, load)
+        return decode_cost(blocks, overlap, load, self._config.weights) + prefill.cost
+
     def _pick(self, policy: Policy, handles: Sequence[WorkerHandle], overlaps: dict[WorkerId, Overlap],
-              cost_of: CostOf, sticky: WorkerId | None) -> tuple[WorkerHandle, Leg]:
+              cost_of: CostOf, sticky: WorkerId | None) -> Leg:
         """The session's worker if it is a candidate, else the policy's choice."""
         legs = {}
         candidates = []
         for handle in handles:
             load = self._pool.load(handle)
-            leg = legs[handle.address] = Leg(handle.address, overlaps[handle.address],
-                                             cost_of(handle, overlaps[handle.address], load))
+            overlap = overlaps[handle.address]
+            leg = legs[handle.address] = Leg(handle.address, overlap, cost_of(handle, overlap, load))
             candidates.append(Candidate(handle.address, leg.cost, load.num_requests, load.num_active_blocks))
-        chosen = sticky if sticky in legs else policy.choose(candidates).worker
-        return self._pool.handles[chosen], legs[chosen]
+        return legs[sticky] if sticky in legs else legs[policy.choose(candidates).worker]

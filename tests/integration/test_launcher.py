@@ -42,7 +42,8 @@ def is_alive(pid: int) -> bool:
 def start_serve(tmp_path: Path, port: int, worker_port: int, metrics_port: int) -> tuple[subprocess.Popen[bytes], str]:
     """`pdserve serve` with no topology flags: prefill on `worker_port`, decode on the next port."""
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port", str(worker_port),
-            "--metrics-port", str(metrics_port), "--max-model-len", "512", "--startup-timeout", "150"]
+            "--metrics-port", str(metrics_port), "--max-model-len", "512", "--startup-timeout", "150",
+            "--cache-dir", str(tmp_path / "cache")]
     with open(tmp_path / "serve.out", "wb") as out, open(tmp_path / "serve.err", "wb") as err:
         serve = subprocess.Popen(argv, stdout=out, stderr=err)
     url = f"http://127.0.0.1:{port}"

@@ -65,7 +65,8 @@ def load_checkpoint(path: str | Path, dtype: str = "auto", device: str | torch.d
     `cache_dir` keeps a GGUF file's conversion for the next load (HF directories ignore it)."""
     path, target = Path(path), resolve_device(device)
     if _is_gguf(path):
-        hf_config, raw = _read_gguf(path, dtype, cache_dir)
+        serving_dtype = resolve_dtype(dtype, load_model_config(path))  # GGUF is dequantized straight to it
+        hf_config, raw = _read_gguf(path, serving_dtype, cache_dir)
         tensors = iter(raw.items())
     else:
         hf_config = _read_hf_config(path)
@@ -80,11 +81,10 @@ def _is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf"
 
 
-def _read_gguf(path: Path, dtype: str, cache_dir: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_gguf(path: Path, dtype: torch.dtype, cache_dir: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     _check_gguf_exists(path)
     from pdserve.engine.gguf_loader import load_gguf
-    # "auto" is resolved once the config is known; float32 loses nothing meanwhile.
-    return load_gguf(str(path), DTYPES.get(dtype, torch.float32), cache_dir)
+    return load_gguf(str(path), dtype, cache_dir)
 
 
 def _check_gguf_exists(path: Path) -> None:

@@ -64,15 +64,14 @@ def load_checkpoint(path: str | Path, dtype: str = "auto", device: str | torch.d
     """Config plus every tensor, cast to the serving dtype and moved to the device.
     `cache_dir` keeps a GGUF file's conversion for the next load (HF directories ignore it)."""
     path, target = Path(path), resolve_device(device)
+    serving_dtype = resolve_dtype(dtype, load_model_config(path))  # from the source, never from a cache
     if _is_gguf(path):
-        serving_dtype = resolve_dtype(dtype, load_model_config(path))  # GGUF is dequantized straight to it
-        hf_config, raw = _read_gguf(path, serving_dtype, cache_dir)
+        hf_config, raw = _read_gguf(path, serving_dtype, cache_dir)  # dequantized straight to it
         tensors = iter(raw.items())
     else:
         hf_config = _read_hf_config(path)
         tensors = _read_safetensors(path)
     config = ModelConfig.from_hf_config(hf_config)
-    serving_dtype = resolve_dtype(dtype, config)
     cast = {name: t.to(device=target, dtype=serving_dtype) for name, t in tensors}
     return Checkpoint(config, cast, serving_dtype, target)
 

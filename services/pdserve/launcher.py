@@ -43,8 +43,9 @@ def worker_name(worker: WorkerSettings) -> str:
 
 
 # Transparent huge pages for torch's CPU allocations: the KV tensor NIXL moves is pinned page by
-# page, and on huge pages transfers ran 1.4-2x faster (docs/transfer.md). A user's value wins.
-WORKER_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
+# page, and on huge pages transfers ran 1.4-2x faster (docs/transfer.md). Passive OpenMP waits:
+# with several workers sharing cores, spinning threads made steps 20-100x slower. A user's value wins.
+WORKER_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def worker_spec(worker: WorkerSettings) -> ChildSpec:

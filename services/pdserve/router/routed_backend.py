@@ -16,7 +16,7 @@ from contextlib import aclosing
 from dataclasses import fields
 
 from pdserve.common.errors import WorkerUnavailableError
-from pdserve.common.ids import BlockHash, RequestId
+from pdserve.common.ids import BlockHash, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.kvcache import hash_request_blocks
@@ -51,9 +51,14 @@ class RoutedBackend:
 
     async def generate(self, request: GenerationRequest, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
         keys = prompt_block_keys(request, self._info.tokens_per_block)
-        failed = set()
+        failed: dict[WorkerId, WorkerUnavailableError] = {}  # decode workers that failed it, in order
         while True:
-            decision = self._planner.plan(keys, len(request.prompt_token_ids), failed, session_id)
+            try:
+                decision = self._planner.plan(keys, len(request.prompt_token_ids), failed, session_id)
+            except WorkerUnavailableError:
+                if failed:  # the last worker's own failure says more than "none left"
+                    raise list(failed.values())[-1] from None
+                raise
             self._note(request.request_id, decision)
             has_output = False
             try:
@@ -70,7 +75,7 @@ class RoutedBackend:
                 log.warning("request %s: worker %s failed before answering (%s); routing again",
                             request.request_id, worker, exc.reason)
                 self._cluster.counters.retries[worker] += 1
-                failed.add(worker)
+                failed[worker] = exc
 
     async def _dispatch(self, request: GenerationRequest, decision: RouteDecision) -> AsyncIterator[RequestOutput]:
         """Relay the decode worker's stream, with the decision's load on its workers meanwhile."""

@@ -108,10 +108,13 @@ def test_every_worker_lost_is_unavailable() -> None:
         backend = await routed(workers)
         for worker in workers.values():
             worker.is_down = True
-        with pytest.raises(WorkerUnavailableError, match="no decode or aggregated worker is up"):
+        with pytest.raises(WorkerUnavailableError, match="worker b:2 unavailable: connection refused"):
             await texts(backend, request())
-        with pytest.raises(WorkerUnavailableError):
+        assert backend._pool.up({WorkerRole.BOTH}) == []
+        with pytest.raises(WorkerUnavailableError, match="no decode or aggregated worker is up"):
             await backend.stats()
+        with pytest.raises(WorkerUnavailableError, match="no decode or aggregated worker is up"):
+            await texts(backend, request("r-1"))
 
     asyncio.run(scenario())
 
@@ -140,3 +143,17 @@ def test_stats_sum_the_workers_in_rotation() -> None:
         return await (await routed(workers)).stats()
 
     assert asyncio.run(scenario()) == EngineStats(1, 2, 188, 200, 12, 30, 0, 0, 0)
+
+
+def test_when_every_worker_failed_the_request_the_last_failure_is_raised() -> None:
+    workers = {a: FakeWorker(a, info()) for a in ("a:1", "b:2")}
+
+    async def scenario() -> None:
+        backend = await routed(workers)
+        for worker in workers.values():
+            worker.fail_generate_after = 0  # answers stats, fails every stream (overloaded)
+        with pytest.raises(WorkerUnavailableError, match="worker b:2 unavailable: stream broke"):
+            await texts(backend, request())
+        assert [h.address for h in backend._pool.up({WorkerRole.BOTH})] == ["a:1", "b:2"]  # still alive
+
+    asyncio.run(scenario())

@@ -5,12 +5,7 @@ What the server reports is read back from its own `/metrics` (requests by status
 the `usage` it streams; prompts built by bench must encode to the counts the server charges.
 """
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,66 +14,17 @@ import pytest
 
 from pdserve.bench.cli import main
 from pdserve.bench.datasets import DatasetSpec, build_dataset
-from pdserve.common.model_source import default_model_path
 from pdserve.common.tokenizer import load_tokenizer
+from tests.integration.stack import PDSERVE, free_port, make_tiny_checkpoint, stop, wait_for_http
 
 pytestmark = pytest.mark.integration
 MAX_MODEL_LEN = 256
-START_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 15.0
-PDSERVE = str(Path(sys.executable).parent / "pdserve")
-
-
-def make_checkpoint(directory: Path) -> Path:
-    """A 2-layer random-weight Llama with SmolLM2's tokenizer (so prompts are real text)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    gguf = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until_serving(url: str, processes: list[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in processes):
-            raise RuntimeError("a pdserve process exited during start")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"pdserve did not serve {url} within {START_TIMEOUT_S} s")
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=STOP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(router base URL, checkpoint path) of a running aggregated stack."""
-    checkpoint = str(make_checkpoint(tmp_path_factory.mktemp("tiny-llama")))
+    checkpoint = str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), MAX_MODEL_LEN))
     worker_port, router_port = free_port(), free_port()
     worker = subprocess.Popen(
         [PDSERVE, "worker", "--model", checkpoint, "--port", str(worker_port), "--device", "cpu",
@@ -90,7 +36,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{router_port}"
     try:
-        wait_until_serving(url, [worker, router])
+        wait_for_http(url, [worker, router])
         yield url, checkpoint
     finally:
         stop(router)

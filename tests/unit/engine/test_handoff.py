@@ -44,7 +44,7 @@ def test_prefill_then_decode_equals_aggregated():
 
 def test_only_missing_blocks_move_when_decode_holds_the_prefix():
     prompt = list(range(10, 31))
-    p, d = make_engine(), make_engine()
+    d = make_engine()
     d.add_request(request("warm", prompt[:17], max_tokens=1))
     _decode(d, "warm")
     claim = d.reserve_remote(request("r", prompt), lease_s=5.0)

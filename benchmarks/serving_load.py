@@ -1,4 +1,5 @@
-"""Workloads for the serving benchmarks, and one result row per measured run.
+"""Workloads for the serving benchmarks, and one result row per measured run (with the
+machine's 1-minute load average at its end: on a shared machine it explains outliers).
 
 Online: `pdserve bench`'s Python API against a base URL (streamed HTTP, vLLM-compatible JSON);
 the same workload and seed send the same text to every server. Offline: every prompt sent at
@@ -6,6 +7,7 @@ once straight to a worker's gRPC service (no HTTP, no router), as token ids.
 """
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +77,7 @@ def run_online(system: str, workload: Workload, base_url: str, tokenizer: str, m
     exit_code = asyncio.run(run_benchmark(parse_config(argv)))
     if exit_code != 0:
         raise RuntimeError(f"pdserve bench against {base_url} failed (exit {exit_code})")
-    return result_row(system, workload.name, json.loads(json_path.read_text()))
+    return {**result_row(system, workload.name, json.loads(json_path.read_text())), "load_1m": os.getloadavg()[0]}
 
 
 def offline_prompts(workload: Workload, tokenizer: Tokenizer) -> list[tuple[int, ...]]:
@@ -114,7 +116,8 @@ def run_offline(system: str, workload: Workload, address: str, tokenizer: Tokeni
     num_input = sum(len(p) for p in prompts)
     return {"system": system, "workload": workload.name, "completed": len(prompts), "failed": 0,
             "duration_s": duration, "output_tok_s": num_output / duration,
-            "total_tok_s": (num_input + num_output) / duration, "req_s": len(prompts) / duration}
+            "total_tok_s": (num_input + num_output) / duration, "req_s": len(prompts) / duration,
+            "load_1m": os.getloadavg()[0]}
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -37,7 +37,6 @@ from serving_stack import ServingStack, Started, work_dir
 from pdserve.common.model_source import default_model_path
 
 POLICIES = ("kv_aware", "round_robin")
-REQUEST_TIMEOUT_S = 300.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,13 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--both", type=int, default=0, help="aggregated workers instead of prefill/decode")
     p.add_argument("--num-system-prompts", type=int, default=4)
     p.add_argument("--system-len", type=int, default=512)
-    p.add_argument("--num-users", type=int, default=16)
+    p.add_argument("--num-users", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--user-len", type=int, default=48)
     p.add_argument("--reply-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--max-kv-tokens", type=int, default=16384, help="per worker")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take")
     p.add_argument("--keep-dir", default=None, help="keep logs here")
     return p.parse_args(argv)
 
@@ -78,32 +78,38 @@ def conversations(args: argparse.Namespace) -> list[list[list[int]]]:
 
 
 async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], salt: str, output_len: int) -> dict:
+    """One streamed completion; a failure (HTTP error, error event, transport error) is `ok: False`."""
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "cache_salt": salt}
     sent = time.perf_counter()
     ttft, usage = None, None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            return {"ok": False}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
-                ttft = time.perf_counter() - sent
-            usage = chunk.get("usage") or usage
-    ok = ttft is not None and usage is not None
-    return {"ok": ok, "ttft_s": ttft, "prompt_tokens": usage["prompt_tokens"] if ok else 0,
-            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"] if ok else 0,
-            "output_tokens": usage["completion_tokens"] if ok else 0}
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return {"ok": False}
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    return {"ok": False}
+                if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+                    ttft = time.perf_counter() - sent
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError:
+        return {"ok": False}
+    if ttft is None or usage is None:
+        return {"ok": False}
+    return {"ok": True, "ttft_s": ttft, "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "output_tokens": usage["completion_tokens"]}
 
 
-async def run_workload(url: str, users: list[list[list[int]]], salt: str, output_len: int) -> tuple[list[dict], float]:
+async def run_workload(url: str, users: list[list[list[int]]], salt: str, args: argparse.Namespace) -> tuple[list[dict], float]:
     async def converse(turns: list[list[int]]) -> list[dict]:
-        return [await one_turn(client, url, prompt, salt, output_len) for prompt in turns]
+        return [await one_turn(client, url, prompt, salt, args.output_len) for prompt in turns]
 
     limits = httpx.Limits(max_connections=len(users) + 4)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
         start = time.perf_counter()
         per_user = await asyncio.gather(*(converse(turns) for turns in users))
         return [turn for turns in per_user for turn in turns], time.perf_counter() - start
@@ -146,8 +152,7 @@ def measure_policy(policy: str, workers: list[Started], roles: dict[str, str], a
         router = stack.start_router(workers, ["--model", model, "--routing-policy", policy,
                                               "--worker-poll-interval", "0.2", "--log-level", "warning"])
         before = router_metrics(router.address)
-        turns, wall_s = asyncio.run(run_workload(router.address, conversations(args), f"bench-{policy}",
-                                                 args.output_len))
+        turns, wall_s = asyncio.run(run_workload(router.address, conversations(args), f"bench-{policy}", args))
         time.sleep(1.0)  # a few polls: the workers' counters reach the router
         after = router_metrics(router.address)
     done = [t for t in turns if t["ok"]]

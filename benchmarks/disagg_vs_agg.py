@@ -21,10 +21,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.common.model_source import default_model_path
+
 from serving_load import Workload, ratio, run_online
 from serving_stack import ServingStack, free_port, vm_hwm_mib, work_dir
-
-from pdserve.common.model_source import default_model_path
 
 COMPARED = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 TRANSFER_METRICS = ("pdserve_kv_transfer_blocks_count", "pdserve_kv_transfer_blocks_sum",
@@ -69,8 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def workloads(args: argparse.Namespace) -> list[Workload]:
     """Random prompts, then the same lengths with a shared prefix: each its own seed, so the
     second finds nothing of the first in the prefix cache."""
-    common = dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                  max_concurrency=args.max_concurrency, num_warmups=args.num_warmups)
+    common = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups}
     return [Workload("random", seed=args.seed, **common),
             Workload(f"prefix{args.prefix_len}", prefix_len=args.prefix_len, seed=args.seed + 1, **common)]
 

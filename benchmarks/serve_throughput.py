@@ -24,11 +24,11 @@ import json
 import sys
 from pathlib import Path
 
-from serving_load import Workload, ratio, run_offline, run_online
-from serving_stack import ServingStack, make_random_160m, vm_hwm_mib, work_dir
-
 from pdserve.common.model_source import default_model_path
 from pdserve.common.tokenizer import load_tokenizer
+
+from serving_load import Workload, ratio, run_offline, run_online
+from serving_stack import ServingStack, make_random_160m, vm_hwm_mib, work_dir
 
 COMPARED = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms")
 
@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
     """The online workloads: random, then the same lengths with a shared prefix."""
-    common = dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                  max_concurrency=args.max_concurrency, num_warmups=args.num_warmups)
+    common = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups}
     return [Workload("random", seed=args.seed, **common),
             Workload(f"prefix{args.prefix_len}", prefix_len=args.prefix_len, seed=args.seed + 1, **common)]
 

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Self
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 20.0
@@ -81,16 +82,20 @@ class ServingStack:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self._processes: list[subprocess.Popen] = []
+        self._logs: list[IO[bytes]] = []
 
-    def __enter__(self) -> "ServingStack":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         for process in reversed(self._processes):  # the router first, then its workers
             _stop(process)
+        for log in self._logs:
+            log.close()
 
     def _start(self, name: str, kind: str, flags: list[str], address: str, is_ready) -> Started:
-        log = open(self.log_dir / f"{name}.log", "wb")
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the process writes it until __exit__
+        self._logs.append(log)
         started_at = time.perf_counter()
         process = subprocess.Popen([*COMMAND, kind, *flags], stdout=log, stderr=subprocess.STDOUT)
         self._processes.append(process)
@@ -159,9 +164,13 @@ def make_random_160m(directory: Path) -> tuple[Path, int]:
     """A random-weight Llama (hidden 1024, 8 layers, vocab 32000, tied embeddings) saved with
     a 32000-id tokenizer. Returns the directory and the parameter count."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     from pdserve.common.model_source import default_model_path
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     gguf = Path(default_model_path())
     source = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

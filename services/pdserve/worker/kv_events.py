@@ -11,8 +11,8 @@ event with `seq >= snapshot.next_seq`; the snapshot runs on the engine thread be
 import asyncio
 import logging
 import uuid
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc

@@ -105,11 +105,15 @@ class StopChecker:
         return "" if self._stopped else held
 
     def _first_match(self, text: str) -> tuple[int, str] | None:
-        """(start, stop string) of the earliest match; the longest stop string on a tie."""
-        found = [(text.find(s), -len(s), s) for s in self._stops if s in text]
+        """(start, stop string) of the match that completes first; the longest on a tie.
+
+        "Completes first" makes the result independent of how the text was cut into deltas:
+        a stream stops at the first point where any stop string is complete.
+        """
+        found = [(text.find(s) + len(s), text.find(s), s) for s in self._stops if s in text]
         if not found:
             return None
-        start, _, stop = min(found)
+        _, start, stop = min(found)
         return start, stop
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:

@@ -71,9 +71,10 @@ def test_false_start_is_released_and_flush_returns_held_text():
     assert checker.flush() == "\n"
 
 
-def test_earliest_stop_wins_then_longest():
+def test_first_completed_stop_wins_then_longest():
     assert StopChecker(["cd", "b"]).feed("abcd") == StopPiece("a", True)
-    assert StopChecker(["ab", "abc"], True).feed("xabcd") == StopPiece("xabc", True)
+    assert StopChecker(["ab", "abc"], True).feed("xabcd") == StopPiece("xab", True)  # "ab" completes first
+    assert StopChecker(["c", "abc"], True).feed("xabcd") == StopPiece("xabc", True)  # tie: the longer
 
 
 def test_stop_string_across_real_tokens(smollm_tokenizer):
@@ -97,9 +98,9 @@ def test_stop_string_across_real_tokens(smollm_tokenizer):
 )
 def test_streaming_equals_one_shot_truncation(text, stops, cuts, include):
     """However the text is cut into deltas, what is sent equals cutting the whole text once."""
-    found = [(text.find(s), -len(s), s) for s in stops if s in text]
+    found = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
     if found:
-        start, _, stop = min(found)
+        _, start, stop = min(found)
         expected = text[: start + len(stop)] if include else text[:start]
     else:
         expected = text

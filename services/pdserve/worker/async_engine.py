@@ -138,12 +138,12 @@ class ThreadedEngine:
             self._drain_inbox()
             if self._engine.has_work:
                 self._step()
-            else:
-                self._wake.wait(self._idle_wait_s)
-                self._wake.clear()
             self._deliver(self._engine.reap_expired_leases())
             self._publish_kv_events()
-            self._stats = self._snapshot()
+            self._stats = self._snapshot()  # before idling, so load reports are never a turn stale
+            if not self._engine.has_work:
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
 
     def _drain_inbox(self) -> None:
         while True:

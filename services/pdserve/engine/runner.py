@@ -14,25 +14,30 @@ from pdserve.engine.kv_tensor import (PagedKvCache, allocate_kv_tensor, bytes_pe
                                       kv_storage_dtype, num_blocks_for_budget)
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.native_model import NativeForward, build_native
 from pdserve.engine.weights import load_checkpoint, load_model_config, resolve_device, resolve_dtype
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: PagedKvCache, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv: PagedKvCache, dtype: torch.dtype, device: torch.device,
+                 native: NativeForward | None = None) -> None:
         self.model = model
         self.kv = kv
         self.dtype = dtype
         self.device = device
+        self.native = native  # None: every step runs the torch ops of `model`
 
     @classmethod
     def load(cls, model_path: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
              num_blocks: int | None = None, tokens_per_block: int = 16, kv_cache_dtype: str = "auto",
              kv_cache_bytes: int | None = None, kv_scale: float = 1.0,
-             cache_dir: str | None = None) -> "ModelRunner":
+             cache_dir: str | None = None, kernels: str = "auto") -> "ModelRunner":
         """Load weights and allocate the KV tensor: give `num_blocks` or a `kv_cache_bytes` budget.
 
         `model_path` is a Hugging Face checkpoint directory or a `.gguf` file; `cache_dir`
-        keeps a GGUF file's conversion for the next load.
+        keeps a GGUF file's conversion and the compiled native kernels for the next load.
+        `kernels`: `auto` runs the native CPU kernels where they apply, `native` insists on
+        them (ConfigError where they cannot run), `torch` runs plain torch ops.
         """
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ConfigError("num_blocks", num_blocks, "give exactly one of num_blocks and kv_cache_bytes")
@@ -45,7 +50,8 @@ class ModelRunner:
         kv = PagedKvCache(allocate_kv_tensor(config, num_blocks, tokens_per_block, storage, target),
                           model_dtype, kv_scale)
         checkpoint = load_checkpoint(model_path, dtype, target, cache_dir)
-        return cls(CausalLM(checkpoint.config, checkpoint.tensors, target), kv, model_dtype, target)
+        model = CausalLM(checkpoint.config, checkpoint.tensors, target)
+        return cls(model, kv, model_dtype, target, build_native(model, kv, kernels, cache_dir))
 
     @property
     def config(self) -> ModelConfig:
@@ -76,9 +82,12 @@ class ModelRunner:
         vocabulary or position range, or its block table is short or out of range.
         """
         self._validate(batch)
+        counts = [_num_logit_rows(c) for c in batch.chunks]
+        if self.native is not None:
+            logits = self.native.forward(batch, self.kv, _logit_rows(batch.chunks))  # (R, vocab)
+            return ForwardOutput(list(torch.split(logits, counts)))
         plan = plan_attention(batch, self.kv, self.config.sliding_window)
         token_ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)
-        counts = [_num_logit_rows(c) for c in batch.chunks]
         logit_rows = torch.tensor(_logit_rows(batch.chunks), dtype=torch.int64, device=self.device)
         logits = self.model.forward(token_ids.to(self.device), plan, self.kv, logit_rows)  # (R, vocab)
         return ForwardOutput(list(torch.split(logits, counts)))

@@ -13,7 +13,8 @@ from pdserve.common.ids import RequestId
 from pdserve.engine.batch import ForwardBatch, SeqChunk
 from pdserve.engine.runner import ModelRunner
 
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+# head_dim 32: the smallest the native CPU kernels run, so both forward paths are exercised.
+TINY = dict(vocab_size=300, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
             initializer_range=0.1)  # wide init: logits far apart, so greedy argmax has no near-ties
 ARCHITECTURES = {

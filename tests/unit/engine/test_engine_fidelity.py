@@ -26,8 +26,8 @@ CASES = {
 }
 
 
-def _engine(checkpoint, num_blocks=64, budget=512, reuse=True) -> LLMEngine:
-    runner = load_runner(checkpoint, num_blocks=num_blocks)
+def _engine(checkpoint, num_blocks=64, budget=512, reuse=True, kernels="auto") -> LLMEngine:
+    runner = load_runner(checkpoint, num_blocks=num_blocks, kernels=kernels)
     kv = KvCacheManager(KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK, enable_block_reuse=reuse), num_blocks)
     return LLMEngine(runner, kv, CharTokenizer(), SchedulerConfig(8, budget, 64))
 
@@ -64,8 +64,8 @@ def expected(checkpoints):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_engine_output_equals_transformers(checkpoints, expected, kind, case):
-    engine = _engine(checkpoints[kind], **CASES[case])
+def test_greedy_engine_output_equals_transformers(checkpoints, expected, kind, case, kernels):
+    engine = _engine(checkpoints[kind], **CASES[case], kernels=kernels)
     assert _generate(engine, PROMPTS, "a") == expected[kind]
     if case == "tiny_cache_preempts":
         assert engine.scheduler.num_preemptions > 0

@@ -42,9 +42,9 @@ class GreedyLoop:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-def test_batched_greedy_decode_matches_generate(checkpoints, kind):
+def test_batched_greedy_decode_matches_generate(checkpoints, kind, kernels):
     prompts = [prompt(n, seed=10 + n) for n in PROMPT_LENS]
-    loop = GreedyLoop(load_runner(checkpoints[kind]), prompts)
+    loop = GreedyLoop(load_runner(checkpoints[kind], kernels=kernels), prompts)
     everyone = list(range(len(prompts)))
     for _ in range(NEW_TOKENS):
         loop.step(everyone)  # first step: every prefill in one batch; then one token each
@@ -52,10 +52,10 @@ def test_batched_greedy_decode_matches_generate(checkpoints, kind):
         assert loop.generated(i, len(p)) == hf_greedy(checkpoints[kind], p), f"sequence {i}"
 
 
-def test_late_prefill_joins_running_decodes(checkpoints):
+def test_late_prefill_joins_running_decodes(checkpoints, kernels):
     """A prompt prefilled in the same batch as other sequences' decode tokens (a mixed step)."""
     prompts = [prompt(n, seed=20 + n) for n in PROMPT_LENS]
-    loop = GreedyLoop(load_runner(checkpoints["llama"]), prompts)
+    loop = GreedyLoop(load_runner(checkpoints["llama"], kernels=kernels), prompts)
     for step in range(NEW_TOKENS + 3):
         active = [0, 1, 2] if step < 3 else [0, 1, 2, 3]  # sequence 3 starts at step 3
         loop.step([i for i in active if len(loop.tokens[i]) < len(prompts[i]) + NEW_TOKENS])
@@ -69,7 +69,7 @@ def test_other_decode_paths_match_too(checkpoints, monkeypatch, max_wide_kv_head
     monkeypatch.setattr(decode_attention, "WIDE_QUERY_MAX_KV_HEADS", max_wide_kv_heads)
     monkeypatch.setattr(decode_attention, "GROUP_BYTES", group_bytes)
     prompts = [prompt(n, seed=30 + n) for n in PROMPT_LENS]
-    loop = GreedyLoop(load_runner(checkpoints["qwen2"]), prompts)
+    loop = GreedyLoop(load_runner(checkpoints["qwen2"], kernels="torch"), prompts)  # the paths patched above
     for _ in range(NEW_TOKENS):
         loop.step(list(range(len(prompts))))
     for i, p in enumerate(prompts):

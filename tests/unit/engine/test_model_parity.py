@@ -14,9 +14,9 @@ PROMPT_LEN = 23  # odd, spans 6 blocks of 4, and longer than Mistral's window of
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def runners(checkpoints):
-    return {kind: load_runner(checkpoints[kind]) for kind in ARCHS}
+@pytest.fixture
+def runners(checkpoints, kernels):
+    return {kind: load_runner(checkpoints[kind], kernels=kernels) for kind in ARCHS}
 
 
 def scattered(num_blocks: int, seed: int) -> list[int]:
@@ -83,7 +83,7 @@ def test_mistral_window_changes_logits_past_the_window(checkpoints):
 
 def test_llama3_scaling_matters_at_these_positions(checkpoints):
     """Guards the llama3 parity test: the same weights with unscaled rope give other logits."""
-    runner = load_runner(checkpoints["llama3_rope"])
+    runner = load_runner(checkpoints["llama3_rope"], kernels="torch")  # the rope swapped below is torch's
     runner.model.rope = RotaryEmbedding(replace(runner.config, rope_scaling=None), runner.device)
     ids = prompt(PROMPT_LEN, seed=1)
     [unscaled] = run(runner, chunk("r", ids, 0, [0, 1, 2, 3, 4, 5], all_logits=True))
@@ -108,4 +108,4 @@ def test_fp8_kv_cache_stays_close(checkpoints, monkeypatch, size, max_wide_kv_he
     ids = prompt(PROMPT_LEN, seed=8)
     logits = in_chunks(runner, ids, size, [8, 9, 10, 11, 12, 13])
     assert runner.kv_tensor.dtype == torch.float8_e4m3fn
-    torch.testing.assert_close(logits, checkpoints["llama"].hf_logits(ids), atol=0.15, rtol=0.05)
+    torch.testing.assert_close(logits, checkpoints["llama"].hf_logits(ids), atol=0.25, rtol=0.05)

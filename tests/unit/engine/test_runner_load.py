@@ -25,11 +25,11 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path, checkpoints):
 
 def test_properties_and_budget_sizing(checkpoints):
     runner = ModelRunner.load(checkpoints["llama"].path, dtype="bfloat16", device="cpu",
-                              kv_cache_bytes=10 * 1024 + 5, tokens_per_block=4)
-    # 2 layers * (K, V) * 4 tokens * 2 heads * 16 dims * 2 bytes
-    assert runner.bytes_per_block == 1024
+                              kv_cache_bytes=10 * 2048 + 5, tokens_per_block=4)
+    # 2 layers * (K, V) * 4 tokens * 2 heads * 32 dims * 2 bytes
+    assert runner.bytes_per_block == 2048
     assert runner.num_blocks == 10
-    assert runner.kv_tensor.shape == (10, 2, 2, 4, 2, 16)
+    assert runner.kv_tensor.shape == (10, 2, 2, 4, 2, 32)
     assert (runner.dtype, runner.device, runner.config.vocab_size) == (torch.bfloat16, torch.device("cpu"), 300)
 
 
@@ -102,9 +102,10 @@ def write_gguf(path, hf_model) -> None:
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in [("block_count", 2), ("context_length", 256), ("embedding_length", 64),
+    hidden = TINY["hidden_size"]
+    for key, value in [("block_count", 2), ("context_length", 256), ("embedding_length", hidden),
                        ("feed_forward_length", 128), ("attention.head_count", 4), ("attention.head_count_kv", 2),
-                       ("rope.dimension_count", 16), ("vocab_size", 300)]:
+                       ("rope.dimension_count", hidden // 4), ("vocab_size", 300)]:
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.rope.freq_base", 10000.0)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
@@ -112,7 +113,7 @@ def write_gguf(path, hf_model) -> None:
         array = tensor.numpy()
         heads = {"q_proj": 4, "k_proj": 2}.get(name.split(".")[-2])
         if heads:  # llama.cpp interleaves each head's two rotary halves
-            array = array.reshape(heads, 2, -1, 64).swapaxes(1, 2).reshape(array.shape)
+            array = array.reshape(heads, 2, -1, hidden).swapaxes(1, 2).reshape(array.shape)
         parts = name.removesuffix(".weight").split(".")
         if name == "lm_head.weight":
             gguf_name = "output"

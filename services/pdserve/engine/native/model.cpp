@@ -1,0 +1,195 @@
+// The whole decoder forward of a Llama-family model in one call: embedding, every layer,
+// final norm and LM head, over a step's flattened tokens and the paged KV tensor. Python
+// builds four small tensors per step (token ids, segments, block tables, logit rows); every
+// per-layer operation runs here, with no Python between them.
+#include <torch/extension.h>
+
+#include "attention.h"
+#include "elementwise.h"
+#include "gemm.h"
+
+namespace pdserve {
+
+template <typename T>
+T* data(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+struct Layer {
+  at::Tensor input_norm, qkv, qkv_bias, o_proj, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
+};
+
+class NativeModel {
+ public:
+  NativeModel(at::Tensor embed, at::Tensor final_norm, at::Tensor lm_head,
+              std::vector<std::vector<c10::optional<at::Tensor>>> layers, at::Tensor inv_freq, int64_t num_heads,
+              int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window, int64_t max_gemv_rows)
+      : embed_(embed), final_norm_(final_norm), lm_head_(lm_head), inv_freq_(inv_freq), num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(float(eps)), window_(window),
+        max_gemv_rows_(max_gemv_rows) {
+    TORCH_CHECK(embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16,
+                "native kernels run float32 or bfloat16 weights");
+    TORCH_CHECK(head_dim % 32 == 0 && embed.size(1) % 16 == 0, "native kernels need head_dim % 32 == 0");
+    for (auto& w : layers) {
+      TORCH_CHECK(w.size() == 10, "a layer has 10 weight slots");
+      auto get = [&](int i) { return w[i].has_value() ? w[i]->contiguous() : at::Tensor(); };
+      layers_.push_back({get(0), get(1), get(2), get(3), get(4), get(5), get(6), get(7), get(8), get(9)});
+    }
+  }
+
+  // token_ids (T,) int64; segments (S, 3) int32 [q_start, q_len, start_pos]; tables (S, W)
+  // int32; logit_rows (R,) int64; kv (N, L, 2, tpb, kvh, hd). Returns float32 logits (R, V).
+  at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& segments, const at::Tensor& tables,
+                     const at::Tensor& logit_rows, const at::Tensor& kv) {
+    TORCH_CHECK(kv.scalar_type() == embed_.scalar_type(), "KV dtype must equal the weights' dtype");
+    if (embed_.scalar_type() == at::kBFloat16) return run<bf16>(token_ids, segments, tables, logit_rows, kv);
+    return run<float>(token_ids, segments, tables, logit_rows, kv);
+  }
+
+  // x (M, K) . w (N, K)^T + bias + residual, through the same dispatch the layers use.
+  at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                    const c10::optional<at::Tensor>& residual) const {
+    return linear_(x.contiguous(), w, bias.value_or(at::Tensor()), residual.value_or(at::Tensor()));
+  }
+
+ private:
+  template <typename T>
+  at::Tensor run(const at::Tensor& token_ids, const at::Tensor& segments, const at::Tensor& tables,
+                 const at::Tensor& logit_rows, const at::Tensor& kv) {
+    const int64_t num_layers = kv.size(1), tpb = kv.size(3);
+    TORCH_CHECK(num_layers == int64_t(layers_.size()), "KV tensor has ", num_layers, " layers");
+    at::Tensor positions = at::empty({token_ids.size(0)}, at::kLong);
+    at::Tensor token_rows = at::empty_like(positions);
+    fill_rows(segments, tables, num_layers, tpb, data<int64_t>(positions), data<int64_t>(token_rows));
+    at::Tensor angles = at::outer(positions.to(at::kFloat), inv_freq_);  // (T, hd/2)
+    at::Tensor cos = angles.cos(), sin = angles.sin();
+    at::Tensor cos_full = at::cat({cos, cos}, -1).to(embed_.scalar_type()).contiguous();
+    at::Tensor signed_sin = at::cat({-sin, sin}, -1).to(embed_.scalar_type()).contiguous();
+    at::Tensor h = embed_.index_select(0, token_ids);  // (T, H)
+    for (int64_t i = 0; i < num_layers; ++i)
+      h = layer<T>(layers_[i], i, h, cos_full, signed_sin, token_rows, segments, tables, kv);
+    if (logit_rows.size(0) == 0) return at::empty({0, lm_head_.size(0)}, at::kFloat);
+    at::Tensor last = norm<T>(h.index_select(0, logit_rows), final_norm_);
+    return linear_(last, lm_head_, at::Tensor(), at::Tensor()).to(at::kFloat);
+  }
+
+  template <typename T>
+  at::Tensor layer(const Layer& w, int64_t index, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                   const at::Tensor& token_rows, const at::Tensor& segments, const at::Tensor& tables,
+                   const at::Tensor& kv) {
+    const int64_t tokens = h.size(0), kvh = num_kv_heads_, hd = head_dim_;
+    at::Tensor qkv = linear_(norm<T>(h, w.input_norm), w.qkv, w.qkv_bias, at::Tensor());  // (T, (nh + 2 kvh) hd)
+    rope_and_store<T>(data<T>(qkv), tokens, num_heads_, kvh, hd, data<T>(cos), data<T>(sin), data<T>(kv), index,
+                      kv.size(3), data<int64_t>(token_rows));
+    at::Tensor attn = attention<T>(qkv, index, segments, tables, kv);
+    at::Tensor h2 = linear_(attn, w.o_proj, w.o_bias, h);
+    at::Tensor gate_up = linear_(norm<T>(h2, w.post_norm), w.gate_up, w.gate_up_bias, at::Tensor());
+    const int64_t inter = gate_up.size(1) / 2;
+    at::Tensor act = at::empty({tokens, inter}, h.options());
+    silu_mul<T>(data<T>(gate_up), tokens, inter, data<T>(act));
+    return linear_(act, w.down, w.down_bias, h2);
+  }
+
+  // Chunks that start a sequence (no cached prefix, no window) go to torch's flash attention
+  // over their own q, k, v, which beats the paged kernel on long causal prompts; decode
+  // tokens and chunks over a cached prefix read the paged KV in place.
+  template <typename T>
+  at::Tensor attention(const at::Tensor& qkv, int64_t layer, const at::Tensor& segments, const at::Tensor& tables,
+                       const at::Tensor& kv) const {
+    const int64_t hd = head_dim_, kvh = num_kv_heads_, nh = num_heads_;
+    const float scale = 1.0f / std::sqrt(float(hd));
+    at::Tensor attn = at::empty({qkv.size(0), nh * hd}, qkv.options());
+    const Segment* segs = reinterpret_cast<const Segment*>(segments.data_ptr());
+    std::vector<int32_t> paged;
+    for (int32_t s = 0; s < segments.size(0); ++s) {
+      if (segs[s].start_pos != 0 || window_ != 0 || segs[s].q_len < kQueryTile) {
+        paged.push_back(s);
+        continue;
+      }
+      at::Tensor rows = qkv.narrow(0, segs[s].q_start, segs[s].q_len);  // (t, (nh + 2 kvh) hd)
+      auto heads = [&](int64_t first, int64_t n) {  // (1, n, t, hd)
+        return rows.narrow(1, first * hd, n * hd).view({rows.size(0), n, hd}).transpose(0, 1).unsqueeze(0);
+      };
+      at::Tensor out = at::scaled_dot_product_attention(heads(0, nh), heads(nh, kvh), heads(nh + kvh, kvh), {}, 0.0,
+                                                        true, scale, true);  // (1, nh, t, hd)
+      attn.narrow(0, segs[s].q_start, segs[s].q_len).view({rows.size(0), nh, hd}).copy_(out[0].transpose(0, 1));
+    }
+    if (!paged.empty()) {
+      AttentionArgs<T> args{data<T>(qkv), qkv.size(1), nh, data<T>(kv), KvLayout{kv.size(1), kv.size(3), kvh, hd},
+                            layer, segs, segments.size(0), data<int32_t>(tables), tables.size(1), scale, window_,
+                            data<T>(attn)};
+      paged_attention<T>(args, paged);
+    }
+    return attn;
+  }
+
+  template <typename T>
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const {
+    at::Tensor out = at::empty_like(x);
+    rms_norm<T>(data<T>(x), x.size(0), x.size(1), data<T>(weight), eps_, data<T>(out));
+    return out;
+  }
+
+  at::Tensor linear_(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                     const at::Tensor& residual) const {
+    if (kHasBf16Dot && x.scalar_type() == at::kBFloat16 && x.size(0) <= max_gemv_rows_) {
+      at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+      gemm_bf16(GemmArgs{data<bf16>(x), x.size(0), x.size(1), data<bf16>(w), w.size(0),
+                         bias.defined() ? data<bf16>(bias) : nullptr,
+                         residual.defined() ? data<bf16>(residual) : nullptr, data<bf16>(y)});
+      return y;
+    }
+    at::Tensor y = at::linear(x, w, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+    return residual.defined() ? residual + y : y;
+  }
+
+  static void fill_rows(const at::Tensor& segments, const at::Tensor& tables, int64_t num_layers, int64_t tpb,
+                        int64_t* positions, int64_t* token_rows) {
+    const Segment* segs = reinterpret_cast<const Segment*>(segments.data_ptr());
+    const int32_t* table = data<int32_t>(tables);
+    for (int64_t s = 0; s < segments.size(0); ++s) {
+      for (int32_t i = 0; i < segs[s].q_len; ++i) {
+        const int64_t t = segs[s].q_start + i, pos = segs[s].start_pos + i;
+        positions[t] = pos;
+        token_rows[t] = int64_t(table[s * tables.size(1) + pos / tpb]) * num_layers * 2 * tpb + pos % tpb;
+      }
+    }
+  }
+
+  at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
+  std::vector<Layer> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  float eps_;
+  int64_t window_, max_gemv_rows_;
+};
+
+// q (T, >= nh * hd) rows (q heads first), kv (N, L, 2, tpb, kvh, hd) -> (T, nh * hd).
+at::Tensor attention(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& segments,
+                     const at::Tensor& tables, int64_t num_heads, double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && q.stride(1) == 1, "q must be row-major in the KV dtype");
+  TORCH_CHECK(segments.scalar_type() == at::kInt && tables.scalar_type() == at::kInt, "int32 segments and tables");
+  const int64_t hd = kv.size(5);
+  at::Tensor out = at::empty({q.size(0), num_heads * hd}, q.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    AttentionArgs<T> args{data<T>(q), q.stride(0), num_heads, data<T>(kv), KvLayout{kv.size(1), kv.size(3), kv.size(4), hd},
+                          layer, reinterpret_cast<const Segment*>(segments.data_ptr()), segments.size(0),
+                          data<int32_t>(tables), tables.size(1), float(scale), window, data<T>(out)};
+    pybind11::gil_scoped_release release;
+    paged_attention<T>(args);
+  };
+  if (q.scalar_type() == at::kBFloat16) run(bf16{}); else run(float{});
+  return out;
+}
+
+}  // namespace pdserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("has_bf16_dot") = pdserve::kHasBf16Dot;
+  m.def("attention", &pdserve::attention);
+  pybind11::class_<pdserve::NativeModel>(m, "NativeModel")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, std::vector<std::vector<c10::optional<at::Tensor>>>,
+                          at::Tensor, int64_t, int64_t, int64_t, double, int64_t, int64_t>())
+      .def("forward", &pdserve::NativeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("linear", &pdserve::NativeModel::linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,77 @@
+"""The native CPU kernels against plain torch references: the bf16 matrix product (with
+bias, residual and ragged shapes) and paged attention (grouped-query heads, cached prefixes,
+sliding windows, scattered block tables), in float32 and bfloat16."""
+import pytest
+import torch
+
+from pdserve.engine.native import is_supported, load_native
+
+pytestmark = pytest.mark.skipif(not is_supported(), reason="the native kernels need an AVX-512 CPU")
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = load_native(None)
+    assert module is not None, "the native kernels failed to build on an AVX-512 CPU"
+    return module
+
+
+def matmul_model(native, max_rows: int):
+    e = torch.zeros(4, 64, dtype=torch.bfloat16)
+    return native.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, [], torch.ones(16), 1, 1, 64, 1e-5, 0,
+                              max_rows)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 64, 576), (3, 37, 100), (5, 16, 32), (16, 9, 1536), (7, 130, 31)])
+@pytest.mark.parametrize("with_bias, with_residual", [(False, False), (True, False), (True, True)])
+def test_bf16_matmul_equals_float_reference_rounded_once(native, m, n, k, with_bias, with_residual):
+    if not native.has_bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16: matrix products stay on oneDNN")
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = (torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16())
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    residual = torch.randn(m, n, generator=g).bfloat16() if with_residual else None
+    y = matmul_model(native, 64).linear(x, w, bias, residual)
+    expected = x.float() @ w.float().T + (bias.float() if with_bias else 0)
+    if with_residual:
+        expected = expected.bfloat16().float() + residual.float()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), expected.bfloat16().float(), atol=1e-2, rtol=1e-2)
+
+
+def test_rows_above_the_threshold_go_to_torch_and_agree(native):
+    x, w = torch.randn(20, 64).bfloat16(), torch.randn(48, 64).bfloat16()
+    assert torch.equal(matmul_model(native, 4).linear(x, w, None, None), torch.nn.functional.linear(x, w))
+
+
+def reference_attention(q, kv, layer, segments, tables, num_heads, window):
+    """Naive float32 attention of each segment's queries over its keys, read via its table."""
+    _, _, _, tpb, kvh, hd = kv.shape
+    out = torch.zeros(q.shape[0], num_heads * hd)
+    for s, (q_start, q_len, start) in enumerate(segments.tolist()):
+        ctx = start + q_len
+        blocks = tables[s, :-(-ctx // tpb)].long()
+        k = kv[blocks, layer, 0].reshape(-1, kvh, hd)[:ctx].float().repeat_interleave(num_heads // kvh, 1)
+        v = kv[blocks, layer, 1].reshape(-1, kvh, hd)[:ctx].float().repeat_interleave(num_heads // kvh, 1)
+        for i in range(q_len):
+            pos, qi = start + i, q[q_start + i, :num_heads * hd].float().view(num_heads, hd)
+            lo = max(0, pos - window + 1) if window else 0
+            scores = torch.einsum("hd,shd->hs", qi, k[lo:pos + 1]) * hd ** -0.5
+            out[q_start + i] = torch.einsum("hs,shd->hd", scores.softmax(-1), v[lo:pos + 1]).reshape(-1)
+    return out
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads, kvh, hd", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_attention_equals_reference(native, dtype, tol, num_heads, kvh, hd, window):
+    g = torch.Generator().manual_seed(num_heads + hd + window)
+    tpb, layers = 4, 2
+    kv = torch.randn(40, layers, 2, tpb, kvh, hd, generator=g).to(dtype)
+    # decode token at 17 | chunk of 6 over a 9-token prefix | fresh prompt of 21 | decode at 0
+    segments = torch.tensor([[0, 1, 17], [1, 6, 9], [7, 21, 0], [28, 1, 0]], dtype=torch.int32)
+    tables = torch.randperm(40, generator=g)[:24].view(4, 6).to(torch.int32)
+    q = torch.randn(29, (num_heads + 2 * kvh) * hd, generator=g).to(dtype)  # q heads first, as in qkv rows
+    out = native.attention(q, kv, 1, segments, tables, num_heads, hd ** -0.5, window)
+    expected = reference_attention(q, kv, 1, segments, tables, num_heads, window)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)

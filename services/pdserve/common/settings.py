@@ -85,6 +85,8 @@ class WorkerSettings:
     gpu_memory_utilization: float = opt(0.9, parse=cv.parse_float,
                                         help="fraction of free device memory (RAM on CPU) for the KV cache")
     num_threads: int | None = opt(None, parse=cv.optional(cv.parse_int), help="torch CPU threads")
+    kernels: str = opt("auto", parse=cv.choice("auto", "native", "torch"),
+                       help="auto: the native CPU kernels where they run, else torch ops")
     cache_dir: str | None = opt(factory=default_cache_dir, parse=cv.optional(cv.parse_str),
                                 help="directory keeping GGUF conversions for fast restarts ('' turns it off)")
     drain_timeout_s: float = opt(5.0, parse=cv.parse_float, flag="drain-timeout",

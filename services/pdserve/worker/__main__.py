@@ -40,7 +40,8 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
     return EngineSpec(
         model=settings.model, served_model_name=settings.model_name, role=settings.role,
         dtype=settings.dtype, device=device, kv_cache_dtype=settings.kv_cache_dtype, kv=kv,
-        scheduler=scheduler, num_threads=settings.num_threads, cache_dir=settings.cache_dir,
+        scheduler=scheduler, num_threads=settings.num_threads, kernels=settings.kernels,
+        cache_dir=settings.cache_dir,
     )
 
 

@@ -33,6 +33,7 @@ class EngineSpec:
     kv: KvCacheConfig = KvCacheConfig(max_total_bytes=512 << 20)
     scheduler: SchedulerConfig = SchedulerConfig()
     num_threads: int | None = None
+    kernels: str = "auto"  # auto | native | torch (see ModelRunner.load)
     cache_dir: str | None = None  # keeps GGUF conversions (weights, tokenizer); None: no cache
 
 
@@ -51,7 +52,7 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
                           "raise the KV cache size or lower max_model_len")
     runner = ModelRunner.load(spec.model, spec.dtype, device, num_blocks=num_blocks,
                               tokens_per_block=spec.kv.tokens_per_block, kv_cache_dtype=spec.kv_cache_dtype,
-                              cache_dir=spec.cache_dir)
+                              cache_dir=spec.cache_dir, kernels=spec.kernels)
     tokenizer = load_tokenizer(spec.model, spec.cache_dir)
     return LLMEngine(runner, KvCacheManager(spec.kv, num_blocks), tokenizer, spec.scheduler)
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -52,14 +53,37 @@ struct WorkItem {
   int32_t segment, t0, t1;  // query tokens [t0, t1) of the segment
 };
 
+// q . k over one head: bf16 pairs through AVX512-BF16 dot products where the CPU has them
+// (exact products, float sums), else float FMAs.
+template <int CH>
+inline float dot_head(const float* q, const float* k) {
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+  for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+template <int CH>
+inline float dot_head(const bf16* q, const bf16* k) {
+#if defined(__AVX512BF16__)
+  __m512 acc = _mm512_setzero_ps();
+  for (int c = 0; c < CH; c += 2)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + 16 * c), (__m512bh)_mm512_loadu_si512(k + 16 * c));
+#else
+  __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+  for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(load16(q + 16 * c), load16(k + 16 * c), acc);
+#endif
+  return _mm512_reduce_add_ps(acc);
+}
+
 // One work item, CH = head_dim / 16 vector chunks per head. Row r of the tile is query token
-// t0 + r / num_heads, head r % num_heads; online softmax over the key blocks the tile sees.
+// t0 + r / num_heads, head r % num_heads; online softmax over the key blocks the tile sees,
+// reading K and V where they lie in the cache.
 template <typename T, int CH>
 struct TileAttention {
   static constexpr int64_t HD = CH * 16;
   const AttentionArgs<T>& a;
   int64_t group;
-  std::vector<float> q, acc, m, l, k, v, s;
+  std::vector<T> q;
+  std::vector<float> acc, m, l, s;
 
   explicit TileAttention(const AttentionArgs<T>& args) : a(args), group(args.num_heads / args.layout.num_kv_heads) {}
 
@@ -70,11 +94,13 @@ struct TileAttention {
     const int64_t last = seg.start_pos + item.t1 - 1;  // the last key any row sees
     const int64_t first = a.window ? std::max<int64_t>(0, seg.start_pos + item.t0 - a.window + 1) : 0;
     const int32_t* table = a.tables + item.segment * a.table_width;
+    s.resize(tpb + 16);
     for (int64_t b = first / tpb; b <= last / tpb; ++b) {
+      if (b < last / tpb) prefetch(block_base(table[b + 1]));
       const int64_t num_keys = std::min(tpb, last + 1 - b * tpb);
-      load_block(table[b], num_keys, b < last / tpb ? block_base(table[b + 1]) : nullptr);
+      const T* kb = block_base(table[b]);
       for (int64_t r = 0; r < rows; ++r)
-        attend_block(r, seg.start_pos + item.t0 + r / a.num_heads, b * tpb, num_keys);
+        attend_block(r, seg.start_pos + item.t0 + r / a.num_heads, b * tpb, num_keys, kb);
     }
     store(item, seg, rows);
   }
@@ -83,58 +109,37 @@ struct TileAttention {
     return a.kv + block * a.layout.block_stride() + a.layer * 2 * a.layout.kind_stride();
   }
 
+  void prefetch(const T* base) const {
+    const char* bytes = reinterpret_cast<const char*>(base);
+    const int64_t size = 2 * a.layout.kind_stride() * int64_t(sizeof(T));
+    for (int64_t off = 0; off < size; off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
+  }
+
   void load_queries(const WorkItem& item, const Segment& seg, int64_t rows) {
     q.resize(rows * HD);
     acc.assign(rows * HD, 0.0f);
     m.assign(rows, -std::numeric_limits<float>::infinity());
     l.assign(rows, 0.0f);
-    const __m512 scale = _mm512_set1_ps(a.scale);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = seg.q_start + item.t0 + r / a.num_heads, head = r % a.num_heads;
-      const T* src = a.q + token * a.q_row_stride + head * HD;
-      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(&q[r * HD + c * 16], _mm512_mul_ps(load16(src + c * 16), scale));
+      std::memcpy(&q[r * HD], a.q + token * a.q_row_stride + head * HD, HD * sizeof(T));
     }
   }
 
-  // K and V of every KV head for the block's first num_keys tokens, as float (tpb, kvh, hd),
-  // prefetching the next block's line for each line read (`next` may be null).
-  void load_block(int32_t block, int64_t num_keys, const T* next) {
-    const int64_t n = num_keys * a.layout.num_kv_heads * HD, kind = a.layout.kind_stride();
-    constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
-    const T* base = block_base(block);
-    k.resize(kind);
-    v.resize(kind);
-    s.resize(a.layout.tokens_per_block + 16);
-    float* kf = k.data();
-    float* vf = v.data();
-    for (int64_t i = 0; i < n; i += 16) {
-      if (next && i % kLine == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(next + kind + i), _MM_HINT_T0);
-      }
-      _mm512_storeu_ps(kf + i, load16(base + i));
-      _mm512_storeu_ps(vf + i, load16(base + kind + i));
-    }
-  }
-
-  void attend_block(int64_t r, int64_t query_pos, int64_t first_key, int64_t num_keys) {
+  void attend_block(int64_t r, int64_t query_pos, int64_t first_key, int64_t num_keys, const T* kb) {
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    const int64_t kv_head = (r % a.num_heads) / group, key_stride = a.layout.num_kv_heads * HD;
-    const float* qr = &q[r * HD];
-    const float* kh = &k[kv_head * HD];
+    const int64_t key_stride = a.layout.num_kv_heads * HD;
+    const T* kh = kb + ((r % a.num_heads) / group) * HD;
+    const T* vh = kh + a.layout.kind_stride();
     // Keys this row sees in the block: [lo, hi).
     const int64_t hi = std::min(num_keys, query_pos - first_key + 1);
     const int64_t lo = a.window ? std::max<int64_t>(0, query_pos - a.window + 1 - first_key) : 0;
     if (hi <= lo) return;
-    __m512 qv[CH];
-    for (int c = 0; c < CH; ++c) qv[c] = _mm512_loadu_ps(qr + c * 16);
+    const T* qr = &q[r * HD];
     float block_max = neg_inf;
     for (int64_t j = 0; j < lo; ++j) s[j] = neg_inf;
     for (int64_t j = lo; j < hi; ++j) {
-      const float* kj = kh + j * key_stride;
-      __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-      for (int c = 1; c < CH; ++c) dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * 16), dot);
-      s[j] = _mm512_reduce_add_ps(dot);
+      s[j] = dot_head<CH>(qr, kh + j * key_stride) * a.scale;
       block_max = std::max(block_max, s[j]);
     }
     const float new_max = std::max(m[r], block_max);
@@ -150,12 +155,11 @@ struct TileAttention {
     l[r] = l[r] * correction + _mm512_reduce_add_ps(sum);
     m[r] = new_max;
     float* out = &acc[r * HD];
-    const float* vh = &v[kv_head * HD];
     __m512 o[CH];
     for (int c = 0; c < CH; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(out + c * 16), _mm512_set1_ps(correction));
     for (int64_t j = lo; j < hi; ++j) {
       const __m512 p = _mm512_set1_ps(s[j]);
-      for (int c = 0; c < CH; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vh + j * key_stride + c * 16), o[c]);
+      for (int c = 0; c < CH; ++c) o[c] = _mm512_fmadd_ps(p, load16(vh + j * key_stride + c * 16), o[c]);
     }
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(out + c * 16, o[c]);
   }

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, func, _ = SUBCOMMANDS[name]
+    if name == "worker":  # before torch loads: OpenMP reads its settings once, at load
+        from pdserve.common.settings import apply_worker_runtime_defaults
+        apply_worker_runtime_defaults()
     module = importlib.import_module(module_name)
     return int(getattr(module, func)(rest) or 0)
 

@@ -42,17 +42,11 @@ def worker_name(worker: WorkerSettings) -> str:
     return f"{role}worker at {worker.address}"
 
 
-# Transparent huge pages for torch's CPU allocations: the KV tensor NIXL moves is pinned page by
-# page, and on huge pages transfers ran 1.4-2x faster (docs/transfer.md). Passive OpenMP waits:
-# with several workers sharing cores, spinning threads made steps 20-100x slower. A user's value wins.
-WORKER_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-
-
 def worker_spec(worker: WorkerSettings) -> ChildSpec:
     address = worker.address
     return ChildSpec(worker_name(worker), (*COMMAND, "worker", *to_argv(worker)),
                      lambda: is_worker_serving(address, PROBE_TIMEOUT_S),
-                     {**WORKER_ENV_DEFAULTS, **child_environ()})
+                     child_environ())  # the worker sets its own CPU runtime defaults
 
 
 def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:

@@ -279,3 +279,27 @@ def child_environ() -> dict[str, str]:
     """This process's environment without its PDSERVE_ variables, for a child that gets
     every setting as a flag (a serve config file's keys would be unknown to a worker)."""
     return {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+
+
+# The OpenMP runtime and torch's allocator read these once, when torch loads, so a worker
+# puts them in its environment before importing torch; a value the user set wins.
+# Transparent huge pages: NIXL pins the KV tensor page by page, and transfers ran 1.4-2x
+# faster on huge pages (docs/transfer.md). A short OpenMP spin (about 30 us) before a
+# waiting thread sleeps: a decode step opens ~250 parallel regions, and waking a sleeping
+# thread for each (OMP_WAIT_POLICY=PASSIVE) cost 7 ms of a 19 ms batch-1 step, while
+# spinning without end (ACTIVE) took the cores the router and gRPC threads need
+# (benchmarks/README.md, "Threads"). libgomp itself spins less when threads outnumber cores.
+WORKER_RUNTIME_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1", "GOMP_SPINCOUNT": "100000"}
+
+
+def apply_worker_runtime_defaults() -> dict[str, str]:
+    """Set WORKER_RUNTIME_DEFAULTS where the environment leaves them unset; the values in force."""
+    for name, value in WORKER_RUNTIME_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in WORKER_RUNTIME_DEFAULTS}
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    return len(os.sched_getaffinity(0))
+

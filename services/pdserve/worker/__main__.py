@@ -6,11 +6,11 @@ import signal
 import sys
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.settings import WorkerSettings, resolve_worker_settings
+from pdserve.common.settings import WorkerSettings, apply_worker_runtime_defaults, resolve_worker_settings
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.engine.weights import load_model_config, resolve_device
 from pdserve.kvcache import KvCacheConfig
-from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine
+from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine, cpu_summary
 from pdserve.worker.kv_events import kv_events_service
 from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.roles import build_role, close_role, run_background
@@ -56,6 +56,8 @@ def _stop_on_signals() -> asyncio.Event:
 async def run_worker(settings: WorkerSettings) -> None:
     """Build and start the engine and its role's parts, serve until a signal, then stop all."""
     engine = build_threaded_engine(engine_spec(settings))
+    if engine.engine.runner.device.type == "cpu":
+        log.info("CPU: %s", cpu_summary(engine.engine, apply_worker_runtime_defaults()))
     metrics = TransferMetrics()
     parts = build_role(settings, engine, metrics)
     if settings.metrics_port is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.errors import ConfigError
+from pdserve.common.settings import usable_cores
 from pdserve.common.stats import ModelInfo, WorkerRole
 from pdserve.common.tokenizer import load_tokenizer
 from pdserve.engine.kv_tensor import bytes_per_block, kv_storage_dtype
@@ -55,6 +56,14 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
                               cache_dir=spec.cache_dir, kernels=spec.kernels)
     tokenizer = load_tokenizer(spec.model, spec.cache_dir)
     return LLMEngine(runner, KvCacheManager(spec.kv, num_blocks), tokenizer, spec.scheduler)
+
+
+def cpu_summary(engine: LLMEngine, runtime: dict[str, str]) -> str:
+    """One line on how the engine uses the CPU, for the worker's start-up log."""
+    kernels = "native CPU kernels" if engine.runner.native is not None else "torch ops"
+    env = ", ".join(f"{k}={v}" for k, v in runtime.items())
+    return (f"{kernels}; {torch.get_num_threads()} torch threads on {usable_cores()} usable cores "
+            f"(--num-threads sets it); {env}")
 
 
 def build_threaded_engine(spec: EngineSpec) -> ThreadedEngine:

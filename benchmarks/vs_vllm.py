@@ -1,0 +1,143 @@
+"""pdserve against vLLM (or any OpenAI-compatible server): the same workloads, one run.
+
+Starts `pdserve serve --aggregated` and then `pdserve serve` (1 prefill + 1 decode worker) the
+way a user does, runs each workload through them with `pdserve bench`, and with `--compare-url`
+the same text against another server, then reports each system's figures and the ratios
+measured side by side. Workloads (each its own seed, so none finds another's prompts cached):
+
+    random     64 prompts, 256 in / 64 out, all at once
+    single     8 prompts, 256 in / 64 out, one at a time (batch-1 TPOT)
+    prefix192  64 prompts, a 192-token shared prefix + 64 own tokens, 64 out, all at once
+    long       32 prompts, 1024 in / 128 out, 8 in flight
+
+Startup rows: seconds from `pdserve serve` to a served `/v1/models`, and the peak RSS summed
+over the launcher and its children. Nothing is asserted.
+
+    python benchmarks/vs_vllm.py --json vs-vllm.json
+    python benchmarks/vs_vllm.py --model CKPT_DIR --compare-url http://127.0.0.1:8001 --compare-label vllm
+    python benchmarks/vs_vllm.py --scale 0.25      # every prompt count a quarter (a quick look)
+"""
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from pdserve.common.model_source import default_model_path
+
+from serving_load import Workload, ratio, run_online
+from serving_stack import COMMAND, READY_TIMEOUT_S, STOP_TIMEOUT_S, free_port, vm_hwm_mib, work_dir
+
+TOPOLOGIES = {"pdserve-agg": ["--aggregated"], "pdserve-disagg": []}
+COMPARED = ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms")
+
+
+def workloads(scale: float, seed: int) -> list[Workload]:
+    def n(count: int) -> int:
+        return max(1, round(count * scale))
+    return [Workload("random", n(64), 256, 64, max_concurrency=n(64), seed=seed),
+            Workload("single", n(8), 256, 64, max_concurrency=1, seed=seed + 1),
+            Workload("prefix192", n(64), 256, 64, prefix_len=192, max_concurrency=n(64), seed=seed + 2),
+            Workload("long", n(32), 1024, 128, max_concurrency=8, seed=seed + 3)]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write the result here")
+    parser.add_argument("--keep-dir", metavar="DIR", help="keep logs and raw bench JSON here")
+    parser.add_argument("--model", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M GGUF)")
+    parser.add_argument("--serve-flags", default="", help="extra `pdserve serve` flags, e.g. '--kernels torch'")
+    parser.add_argument("--only", action="append", choices=list(TOPOLOGIES), help="run only this topology")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's prompt count")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-url", help="another OpenAI-compatible server to run the workloads on")
+    parser.add_argument("--compare-model", help="model name there (default: first of its /v1/models)")
+    parser.add_argument("--compare-label", default="other", help="its name in the results")
+    return parser.parse_args(argv)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in task.read_text().split():
+            found += [int(child), *_children(int(child))]
+    return found
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=2.0) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def measure_topology(name: str, flags: list[str], model: str, runs: list[Workload], out_dir: Path) -> list[dict]:
+    """`pdserve serve` with `flags`: its startup row and one row per workload of `runs`."""
+    port, worker_port = free_port(), free_port()
+    argv = [*COMMAND, "serve", "--model", model, "--port", str(port), "--worker-port", str(worker_port),
+            "--max-num-seqs", "64", "--log-level", "warning", *flags]
+    url = f"http://127.0.0.1:{port}"
+    print(f"{name}: {' '.join(argv[2:])}", flush=True)
+    with open(out_dir / f"{name}.log", "w") as log:
+        started = time.monotonic()
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while not _is_ready(url):
+                if process.poll() is not None or time.monotonic() - started > READY_TIMEOUT_S:
+                    raise RuntimeError(f"{name} did not become ready; see {out_dir / (name + '.log')}")
+                time.sleep(0.2)
+            ready_s = time.monotonic() - started
+            rows = [run_online(name, w, url, model, None, out_dir) for w in runs]
+            rss = sum(vm_hwm_mib(pid) or 0.0 for pid in [process.pid, *_children(process.pid)])
+            return [{"system": name, "workload": "startup", "ready_s": ready_s, "peak_rss_mib_all": rss}, *rows]
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def ratios(rows: list[dict], label: str) -> dict[str, float | None]:
+    by = {(r["system"], r["workload"]): r for r in rows}
+    found: dict[str, float | None] = {}
+    for (system, workload), row in by.items():
+        if workload == "startup":
+            continue
+        for other in (label, "pdserve-agg"):
+            base = by.get((other, workload))
+            if base is None or other == system or system == label:
+                continue
+            for metric in COMPARED:
+                found[f"{metric} ({workload}): {system} / {other}"] = ratio(row[metric], base[metric])
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model = args.model or default_model_path()
+    rows = []
+    with work_dir(args.keep_dir, "vs-vllm-") as out_dir:
+        for name, flags in TOPOLOGIES.items():
+            if not args.only or name in args.only:
+                rows += measure_topology(name, flags + args.serve_flags.split(), model,
+                                         workloads(args.scale, args.seed), out_dir)
+        if args.compare_url:
+            rows += [run_online(args.compare_label, w, args.compare_url, model, args.compare_model, out_dir)
+                     for w in workloads(args.scale, args.seed)]
+    config = {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model,
+              "workloads": [w.as_dict() for w in workloads(args.scale, args.seed)]}
+    result = {"benchmark": "vs_vllm", "config": config, "results": rows, "ratios": ratios(rows, args.compare_label)}
+    print(json.dumps({"results": rows, "ratios": result["ratios"]}, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

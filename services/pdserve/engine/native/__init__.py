@@ -26,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("model.cpp", "attention.h", "elementwise.h", "gemm.h", "vec.h")
+SOURCES = ("model.cpp", "attention.h", "prefill_attention.h", "elementwise.h", "gemm.h", "vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _loaded: dict[str, ModuleType | None] = {}
 

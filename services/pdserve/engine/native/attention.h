@@ -14,9 +14,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
+#include "prefill_attention.h"
 #include "vec.h"
 
 namespace pdserve {
@@ -47,7 +49,8 @@ struct AttentionArgs {
   T* out;          // (T, num_heads * hd)
 };
 
-constexpr int64_t kQueryTile = 16;  // query tokens of one segment per work item
+constexpr int64_t kQueryTile = 16;     // query tokens of one segment per work item
+constexpr int64_t kMinPackedTile = 4;  // bf16 tiles of at least this many tokens use the packed path
 
 struct WorkItem {
   int32_t segment, t0, t1;  // query tokens [t0, t1) of the segment
@@ -88,6 +91,11 @@ struct TileAttention {
   explicit TileAttention(const AttentionArgs<T>& args) : a(args), group(args.num_heads / args.layout.num_kv_heads) {}
 
   void run(const WorkItem& item) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (item.t1 - item.t0 >= kMinPackedTile) return run_packed(item);
+    }
+#endif
     const Segment seg = a.segments[item.segment];
     const int64_t rows = int64_t(item.t1 - item.t0) * a.num_heads, tpb = a.layout.tokens_per_block;
     load_queries(item, seg, rows);
@@ -104,6 +112,36 @@ struct TileAttention {
     }
     store(item, seg, rows);
   }
+
+#if defined(__AVX512BF16__)
+  // Tiles of several query tokens in bf16: per KV head, small matrix products on packed K/V.
+  void run_packed(const WorkItem& item) {
+    const Segment seg = a.segments[item.segment];
+    const KvLayout& L = a.layout;
+    const int64_t tokens = item.t1 - item.t0, rows = tokens * group;
+    Bf16TileAttention<CH> tile(reinterpret_cast<const bf16*>(a.kv) + a.layer * 2 * L.kind_stride(), L.block_stride(),
+                               L.num_kv_heads * HD, L.kind_stride(), a.scale, a.window);
+    std::vector<const bf16*> q_rows(rows);
+    std::vector<int64_t> positions(rows);
+    std::vector<float> out(rows * HD);
+    const int64_t last = seg.start_pos + item.t1 - 1;
+    const int64_t first = a.window ? std::max<int64_t>(0, seg.start_pos + item.t0 - a.window + 1) : 0;
+    for (int64_t g = 0; g < L.num_kv_heads; ++g) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t token = seg.q_start + item.t0 + r / group;
+        q_rows[r] = reinterpret_cast<const bf16*>(a.q) + token * a.q_row_stride + (g * group + r % group) * HD;
+        positions[r] = seg.start_pos + item.t0 + r / group;
+      }
+      tile.run(q_rows.data(), positions.data(), rows, a.tables + item.segment * a.table_width, L.tokens_per_block,
+               first, last, g, out.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t token = seg.q_start + item.t0 + r / group;
+        T* dst = a.out + token * a.num_heads * HD + (g * group + r % group) * HD;
+        for (int c = 0; c < CH; ++c) store16(dst + 16 * c, _mm512_loadu_ps(&out[r * HD + 16 * c]));
+      }
+    }
+  }
+#endif
 
   const T* block_base(int32_t block) const {
     return a.kv + block * a.layout.block_stride() + a.layer * 2 * a.layout.kind_stride();

@@ -90,9 +90,9 @@ class NativeModel {
     return linear_(act, w.down, w.down_bias, h2);
   }
 
-  // Chunks that start a sequence (no cached prefix, no window) go to torch's flash attention
-  // over their own q, k, v, which beats the paged kernel on long causal prompts; decode
-  // tokens and chunks over a cached prefix read the paged KV in place.
+  // In float32, chunks that start a sequence (no cached prefix, no window) go to torch's flash
+  // attention over their own q, k, v, which beats the float paged kernel on long prompts; in
+  // bf16 the packed tile kernel beats both, so every chunk reads the paged KV in place.
   template <typename T>
   at::Tensor attention(const at::Tensor& qkv, int64_t layer, const at::Tensor& segments, const at::Tensor& tables,
                        const at::Tensor& kv) const {
@@ -102,7 +102,7 @@ class NativeModel {
     const Segment* segs = reinterpret_cast<const Segment*>(segments.data_ptr());
     std::vector<int32_t> paged;
     for (int32_t s = 0; s < segments.size(0); ++s) {
-      if (segs[s].start_pos != 0 || window_ != 0 || segs[s].q_len < kQueryTile) {
+      if (std::is_same_v<T, bf16> || segs[s].start_pos != 0 || window_ != 0 || segs[s].q_len < kQueryTile) {
         paged.push_back(s);
         continue;
       }

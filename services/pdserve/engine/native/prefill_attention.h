@@ -1,0 +1,111 @@
+// Attention for tiles of many query tokens in bf16, as small matrix products on AVX512-BF16:
+// per KV head and chunk of 16 keys, K and V are packed once into bf16 pairs (K by head
+// dimension, V by key), then each query row costs hd/2 dot-product instructions for its 16
+// scores and 8 * hd/16 for its output, shared by the query heads of the group. Probabilities
+// go through bf16 for P.V, as in torch's flash attention on bf16 inputs.
+#pragma once
+#if defined(__AVX512BF16__)
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace pdserve {
+
+template <int CH>
+struct Bf16TileAttention {
+  static constexpr int64_t HD = CH * 16;
+  static constexpr int64_t kKeys = 16;  // keys per chunk: one vector of scores
+  const bf16* kv;
+  int64_t key_stride, kind_stride;
+  float scale;
+  int64_t window;
+  // Per tile: rows (token-major: row = token * G + head in group) of one KV head.
+  std::vector<uint32_t> kp, vp;  // (HD/2, 16) K pairs by dimension; (8, HD) V pairs by key
+  std::vector<float> acc, m, l;
+
+  // queries: rows of the tile for this KV head; row r's vector at q_rows[r]; positions[r].
+  // kv: the KV tensor shifted to this layer's K (block `b`'s K rows at kv + b * block_stride).
+  Bf16TileAttention(const bf16* layer_kv, int64_t block_stride_, int64_t key_stride_, int64_t kind_stride_,
+                    float scale_, int64_t window_)
+      : kv(layer_kv), key_stride(key_stride_), kind_stride(kind_stride_), scale(scale_), window(window_),
+        block_stride(block_stride_) {}
+
+  // Rows of one KV head: row r's query vector at q_rows[r], its position positions[r]; keys
+  // first_key..last_key through `table`. Writes float outputs (rows, HD) to out_rows.
+  void run(const bf16* const* q_rows, const int64_t* positions, int64_t rows, const int32_t* table,
+           int64_t tpb, int64_t first_key, int64_t last_key, int64_t kv_head, float* out_rows) {
+    acc.assign(rows * HD, 0.0f);
+    m.assign(rows, -std::numeric_limits<float>::infinity());
+    l.assign(rows, 0.0f);
+    kp.resize(HD / 2 * kKeys);
+    vp.resize(kKeys / 2 * HD);
+    for (int64_t key = first_key - first_key % kKeys; key <= last_key; key += kKeys) {
+      const int64_t n = std::min<int64_t>(kKeys, last_key + 1 - key);
+      pack(table, tpb, key, n, kv_head);
+      for (int64_t r = 0; r < rows; ++r) attend(r, q_rows[r], positions[r], key, n);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      for (int64_t d = 0; d < HD; ++d) out_rows[r * HD + d] = acc[r * HD + d] * inv;
+    }
+  }
+
+  void pack(const int32_t* table, int64_t tpb, int64_t key, int64_t n, int64_t kv_head) {
+    std::fill(kp.begin(), kp.end(), 0u);
+    std::fill(vp.begin(), vp.end(), 0u);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = key + j;
+      const bf16* k = kv + int64_t(table[pos / tpb]) * block_stride + (pos % tpb) * key_stride + kv_head * HD;
+      const bf16* v = k + kind_stride;
+      uint32_t kpair[HD / 2];
+      std::memcpy(kpair, k, HD * sizeof(bf16));
+      for (int64_t dp = 0; dp < HD / 2; ++dp) kp[dp * kKeys + j] = kpair[dp];
+      uint16_t* vdst = reinterpret_cast<uint16_t*>(&vp[(j / 2) * HD]) + (j % 2);
+      for (int64_t d = 0; d < HD; ++d) vdst[2 * d] = v[d].bits;
+    }
+  }
+
+  void attend(int64_t r, const bf16* q, int64_t pos, int64_t key, int64_t n) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < HD / 2; dp += 2) {
+      s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(int(q32[dp])),
+                            (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys]));
+      s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(int(q32[dp + 1])),
+                            (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys]));
+    }
+    __m512 s = _mm512_mul_ps(_mm512_add_ps(s0, s1), _mm512_set1_ps(scale));
+    const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(int(key)),
+                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __mmask16 valid = _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(int(pos)));
+    valid &= (__mmask16)((1u << n) - 1);
+    if (window) valid &= _mm512_cmpgt_epi32_mask(key_pos, _mm512_set1_epi32(int(pos - window)));
+    if (!valid) return;
+    s = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, s);
+    const float new_max = std::max(m[r], _mm512_reduce_max_ps(s));
+    const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));
+    const __m512 correction = exp16(_mm512_set1_ps(m[r] - new_max));  // 0 when m was -inf
+    l[r] = l[r] * _mm512_cvtss_f32(correction) + _mm512_reduce_add_ps(p);
+    m[r] = new_max;
+    uint32_t ppair[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair), (__m256i)_mm512_cvtneps_pbh(p));
+    float* o = &acc[r * HD];
+    __m512 out[CH];
+    for (int c = 0; c < CH; ++c) out[c] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), correction);
+    for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+      const __m512bh pj = (__m512bh)_mm512_set1_epi32(int(ppair[jp]));
+      for (int c = 0; c < CH; ++c)
+        out[c] = _mm512_dpbf16_ps(out[c], pj, (__m512bh)_mm512_loadu_si512(&vp[jp * HD + 16 * c]));
+    }
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(o + 16 * c, out[c]);
+  }
+
+  int64_t block_stride;
+};
+
+}  // namespace pdserve
+#endif

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from pdserve.common.model_source import default_model_path
-from pdserve.engine.batch import ForwardBatch, SeqChunk
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.model.batch import ForwardBatch, SeqChunk
+from pdserve.engine.model.runner import ModelRunner
 
 from serving_load import Workload, ratio
 from vs_vllm import measure_topology

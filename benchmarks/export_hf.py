@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from pdserve.common.model_source import default_model_path
-from pdserve.engine.gguf_loader import load_gguf
+from pdserve.engine.loading.gguf_loader import load_gguf
 from safetensors.torch import save_file
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from pdserve.engine.batch import ForwardBatch, SeqChunk
-from pdserve.engine.kv_tensor import PagedKvCache, allocate_kv_tensor
-from pdserve.engine.model import CausalLM
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.model.batch import ForwardBatch, SeqChunk
+from pdserve.engine.model.kv_tensor import PagedKvCache, allocate_kv_tensor
+from pdserve.engine.model.decoder import CausalLM
+from pdserve.engine.loading.model_config import ModelConfig
+from pdserve.engine.model.runner import ModelRunner
 
 
 def parse_args() -> argparse.Namespace:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from pdserve.common.model_source import default_model_path
-from pdserve.common.tokenizer import load_tokenizer
+from pdserve.models.tokenizer import load_tokenizer
 
 from serving_load import Workload, ratio, run_offline, run_online
 from serving_stack import ServingStack, make_random_160m, vm_hwm_mib, work_dir

@@ -17,8 +17,8 @@ from pdserve.bench.datasets import DatasetSpec, build_dataset
 from pdserve.bench.options import parse_config
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.router.grpc_backend import GrpcBackend
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.router.routing.grpc_backend import GrpcBackend
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")

@@ -39,7 +39,7 @@ def peak_rss_mib() -> float:
 def measure_parse(_: argparse.Namespace) -> dict:
     import gguf
 
-    from pdserve.common.gguf_file import read_gguf
+    from pdserve.models.gguf_file import read_gguf
     from pdserve.common.model_source import default_model_path
     path = default_model_path()
     start = time.perf_counter()
@@ -55,7 +55,7 @@ def measure_parse(_: argparse.Namespace) -> dict:
 def measure_worker(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     from pdserve.common.model_source import default_model_path
-    from pdserve.engine.scheduler import SchedulerConfig
+    from pdserve.engine.core.scheduler import SchedulerConfig
     from pdserve.kvcache import KvCacheConfig
     from pdserve.worker.bootstrap import EngineSpec, build_llm_engine
     imported = time.perf_counter()
@@ -70,7 +70,7 @@ def measure_worker(args: argparse.Namespace) -> dict:
 
 def measure_tokenizer(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
-    from pdserve.common.tokenizer import load_tokenizer
+    from pdserve.models.tokenizer import load_tokenizer
     imported = time.perf_counter()
     tokenizer = load_tokenizer(None, args.cache_dir or None)
     done = time.perf_counter()

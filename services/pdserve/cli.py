@@ -7,7 +7,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "serve": ("pdserve.launcher", "main", "start router and workers as separate processes"),
+    "serve": ("pdserve.serve.launcher", "main", "start router and workers as separate processes"),
     "router": ("pdserve.router.__main__", "main", "run the HTTP router"),
     "worker": ("pdserve.worker.__main__", "main", "run one worker (role prefill|decode|both)"),
     "bench": ("pdserve.bench.cli", "main", "load-test an OpenAI-compatible endpoint"),

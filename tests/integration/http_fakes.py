@@ -15,12 +15,12 @@ from pathlib import Path
 
 import uvicorn
 
-from pdserve.common.detokenizer import StopChecker
+from pdserve.engine.core.detokenizer import StopChecker
 from pdserve.common.errors import WorkerError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput, TokenLogprob
 from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
-from pdserve.common.tokenizer import Tokenizer, load_tokenizer
+from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 
 WORDS = (" red", " green", " blue", " cat", " dog", " sun", " moon", " tree",
          " rock", " fish", " bird", " star", " hill", " lake", " wind", " rain")

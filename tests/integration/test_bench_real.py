@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.bench.cli import main
 from pdserve.bench.datasets import DatasetSpec, build_dataset
-from pdserve.common.tokenizer import load_tokenizer
+from pdserve.models.tokenizer import load_tokenizer
 from tests.integration.stack import PDSERVE, free_port, make_tiny_checkpoint, stop, wait_for_http
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import pytest
 from http_fakes import WordBackend, load_test_tokenizer, model_info, serve
 from pdserve.bench.cli import main
 from pdserve.bench.datasets import DatasetSpec, build_dataset
-from pdserve.router.app import create_app
+from pdserve.router.openai.app import create_app
 
 pytestmark = pytest.mark.integration
 RUN = ["--num-prompts", "8", "--random-input-len", "20", "--random-output-len", "5",

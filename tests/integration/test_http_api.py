@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from http_fakes import MAX_MODEL_LEN, MODEL_NAME, WORDS, WordBackend, greedy_word, load_test_tokenizer, model_info, serve
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.router.app import create_app
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.router.openai.app import create_app
 
 pytestmark = pytest.mark.integration
 

@@ -7,9 +7,9 @@ import pytest
 
 from http_fakes import MAX_MODEL_LEN, MODEL_NAME, WordBackend, load_test_tokenizer, model_info, serve
 from pdserve.common.errors import InvalidRequestError, WorkerUnavailableError
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.router.app import create_app
-from pdserve.router.serving import ApiLimits
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.router.openai.app import create_app
+from pdserve.router.openai.serving import ApiLimits
 
 pytestmark = pytest.mark.integration
 MAX_BODY_BYTES = 4096

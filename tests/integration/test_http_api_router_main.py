@@ -17,7 +17,7 @@ from http_fakes import STATS, WORDS, WordBackend, greedy_word, load_test_tokeniz
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, ModelInfo
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.models.tokenizer import Tokenizer
 from pdserve.worker.server import WorkerServer
 
 pytestmark = pytest.mark.integration

@@ -8,12 +8,12 @@ import pytest
 
 from http_fakes import load_test_tokenizer, serve
 from pdserve.common.stats import WorkerRole
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.router.app import create_app
-from pdserve.router.cluster import Cluster, ClusterConfig
-from pdserve.router.planner import Planner, RoutingConfig
-from pdserve.router.routed_backend import RoutedBackend
-from pdserve.router.worker_pool import PoolConfig
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.router.openai.app import create_app
+from pdserve.router.routing.cluster import Cluster, ClusterConfig
+from pdserve.router.routing.planner import Planner, RoutingConfig
+from pdserve.router.routing.routed_backend import RoutedBackend
+from pdserve.router.routing.worker_pool import PoolConfig
 from tests.unit.router.cluster_fakes import TPB, FakeWorker, info
 from tests.unit.router.test_routed_backend import NoEvents
 

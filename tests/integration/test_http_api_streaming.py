@@ -8,9 +8,9 @@ import openai
 import pytest
 
 from http_fakes import MODEL_NAME, WordBackend, load_test_tokenizer, model_info, serve
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.router.app import create_app
-from pdserve.router.serving import ApiLimits
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.router.openai.app import create_app
+from pdserve.router.openai.serving import ApiLimits
 
 pytestmark = pytest.mark.integration
 LIMITS = ApiLimits(first_output_timeout_s=0.5, output_timeout_s=0.5)

@@ -52,7 +52,7 @@ def _tokenizer_path(flag: str | None, model: str) -> str:
 
 
 def _load_tokenizer(path: str) -> TextTokenizer:
-    from pdserve.common.tokenizer import load_tokenizer
+    from pdserve.models.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(path)

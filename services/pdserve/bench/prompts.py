@@ -15,7 +15,7 @@ MAX_DRAWS_PER_ID = 64
 
 
 class TextTokenizer(Protocol):
-    """The part of `pdserve.common.tokenizer.Tokenizer` the benchmark uses."""
+    """The part of `pdserve.models.tokenizer.Tokenizer` the benchmark uses."""
 
     @property
     def vocab_size(self) -> int: ...

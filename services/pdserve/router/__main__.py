@@ -16,14 +16,14 @@ import uvicorn
 
 from pdserve.common.errors import ConfigError, WorkerUnavailableError
 from pdserve.common.settings import RouterSettings, resolve_router_settings
-from pdserve.common.tokenizer import Tokenizer, load_tokenizer
-from pdserve.router.app import create_app
-from pdserve.router.cluster import Cluster, ClusterConfig
-from pdserve.router.cost import CostWeights
-from pdserve.router.planner import Planner, RoutingConfig
-from pdserve.router.routed_backend import RoutedBackend
-from pdserve.router.serving import ApiLimits
-from pdserve.router.worker_pool import PoolConfig
+from pdserve.models.tokenizer import Tokenizer, load_tokenizer
+from pdserve.router.openai.app import create_app
+from pdserve.router.routing.cluster import Cluster, ClusterConfig
+from pdserve.router.routing.cost import CostWeights
+from pdserve.router.routing.planner import Planner, RoutingConfig
+from pdserve.router.routing.routed_backend import RoutedBackend
+from pdserve.router.openai.serving import ApiLimits
+from pdserve.router.routing.worker_pool import PoolConfig
 
 _log = logging.getLogger("pdserve.router")
 

@@ -7,8 +7,8 @@ import sys
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.settings import WorkerSettings, apply_worker_runtime_defaults, resolve_worker_settings
-from pdserve.engine.scheduler import SchedulerConfig
-from pdserve.engine.weights import load_model_config, resolve_device
+from pdserve.engine.core.scheduler import SchedulerConfig
+from pdserve.engine.loading.weights import load_model_config, resolve_device
 from pdserve.kvcache import KvCacheConfig
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine, cpu_summary
 from pdserve.worker.kv_events import kv_events_service

@@ -17,7 +17,7 @@ from pdserve.common.errors import WorkerTimeoutError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.kvcache import IntegrityError, KvEvent
 
 log = logging.getLogger(__name__)

@@ -11,12 +11,12 @@ import torch
 from pdserve.common.errors import ConfigError
 from pdserve.common.settings import usable_cores
 from pdserve.common.stats import ModelInfo, WorkerRole
-from pdserve.common.tokenizer import load_tokenizer
-from pdserve.engine.kv_tensor import bytes_per_block, kv_storage_dtype
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.runner import ModelRunner
-from pdserve.engine.scheduler import SchedulerConfig
-from pdserve.engine.weights import load_model_config, resolve_device, resolve_dtype
+from pdserve.models.tokenizer import load_tokenizer
+from pdserve.engine.model.kv_tensor import bytes_per_block, kv_storage_dtype
+from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.model.runner import ModelRunner
+from pdserve.engine.core.scheduler import SchedulerConfig
+from pdserve.engine.loading.weights import load_model_config, resolve_device, resolve_dtype
 from pdserve.kvcache import HASH_ALGORITHM, KvCacheConfig, KvCacheManager
 from pdserve.worker.async_engine import ThreadedEngine
 

@@ -5,7 +5,7 @@ import pytest
 
 from bench_fake_server import Behavior, FakeServer
 from pdserve.common.model_source import default_model_path
-from pdserve.common.tokenizer import load_tokenizer
+from pdserve.models.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

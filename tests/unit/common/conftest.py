@@ -4,7 +4,7 @@ import os
 import pytest
 
 from pdserve.common.model_source import default_model_path
-from pdserve.common.tokenizer import Tokenizer, load_tokenizer
+from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,10 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
-from pdserve.common.chat_template import ChatTemplate
+from pdserve.models.chat_template import ChatTemplate
 from pdserve.common.errors import ConfigError, InvalidRequestError
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.common.tokenizer_files import TokenizerSpec
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.models.tokenizer_files import TokenizerSpec
 
 ALTERNATING = (
     "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from pdserve.common.conversion_cache import cache_key, write_file_atomically
+from pdserve.models.conversion_cache import cache_key, write_file_atomically
 
 
 def test_key_changes_with_the_files_size_mtime_path_and_parts(tmp_path):

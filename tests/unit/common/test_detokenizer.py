@@ -2,7 +2,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.common.detokenizer import IncrementalDetokenizer, StopChecker, StopPiece
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker, StopPiece
 
 MULTIBYTE = "Party 🎉 世界, naïve café 👩‍💻 ½ — Привет 你好!"
 

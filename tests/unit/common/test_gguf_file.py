@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as GgmlType
 from gguf import GGUFValueType as VT
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.gguf_file import GgufFile, read_gguf
+from pdserve.models.gguf_file import GgufFile, read_gguf
 
 SCALARS = [  # key, value, type
     ("t.u8", 200, VT.UINT8), ("t.i8", -100, VT.INT8), ("t.u16", 60000, VT.UINT16), ("t.i16", -30000, VT.INT16),

@@ -2,7 +2,7 @@
 import pytest
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.serve_settings import ServeSettings, ServeTopology, resolve_serve_settings
+from pdserve.serve.settings import ServeSettings, ServeTopology, resolve_serve_settings
 from pdserve.common.settings import RouterSettings, WorkerSettings
 from pdserve.common.stats import WorkerRole
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.gguf_tokenizer import _pre_tokenizer
-from pdserve.common.tokenizer import load_tokenizer
+from pdserve.models.gguf_tokenizer import _pre_tokenizer
+from pdserve.models.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -89,8 +89,8 @@ def test_damaged_cache_entry_is_converted_again(tmp_path):
 
 def test_importing_and_using_the_tokenizer_never_imports_torch(smollm_gguf_path):
     code = (
-        "import sys; from pdserve.common.tokenizer import load_tokenizer; "
-        "import pdserve.common.detokenizer; "
+        "import sys; from pdserve.models.tokenizer import load_tokenizer; "
+        "import pdserve.engine.core.detokenizer; "
         f"t = load_tokenizer({smollm_gguf_path!r}); t.apply_chat_template([{{'role': 'user', 'content': 'x'}}]); "
         "print(t.encode('hi'), 'torch' in sys.modules)"
     )

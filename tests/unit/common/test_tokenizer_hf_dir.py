@@ -4,7 +4,7 @@ import json
 import pytest
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.tokenizer import load_tokenizer
+from pdserve.models.tokenizer import load_tokenizer
 
 TEXTS = ["Hello world", "héllo 世界 🎉", "<|im_start|>user\nHi<|im_end|>", " 12 ½"]
 CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},

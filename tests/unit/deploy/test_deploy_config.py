@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 
 from pdserve.common.settings import RouterSettings, WorkerSettings, resolve_router_settings, resolve_worker_settings
 from pdserve.common.stats import EngineStats, WorkerRole
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.worker.metrics import TransferMetrics
 
 ROOT = Path(__file__).resolve().parents[3]

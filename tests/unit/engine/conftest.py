@@ -1,7 +1,7 @@
 """Fixtures: one set of tiny checkpoints per test session, built with model_builders."""
 import pytest
 
-from pdserve.engine.native import is_supported
+from pdserve.engine.model.native import is_supported
 from model_builders import ARCHITECTURES, TinyCheckpoint, make_checkpoint
 
 

@@ -10,8 +10,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM)
 
 from pdserve.common.ids import RequestId
-from pdserve.engine.batch import ForwardBatch, SeqChunk
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.model.batch import ForwardBatch, SeqChunk
+from pdserve.engine.model.runner import ModelRunner
 
 # head_dim 32: the smallest the native CPU kernels run, so both forward paths are exercised.
 TINY = dict(vocab_size=300, hidden_size=128, intermediate_size=128, num_hidden_layers=2,

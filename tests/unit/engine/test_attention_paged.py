@@ -3,12 +3,12 @@ import pytest
 import torch
 
 from pdserve.common.errors import ConfigError, InvalidRequestError
-from pdserve.engine import decode_attention
-from pdserve.engine.attention import plan_attention
-from pdserve.engine.batch import ForwardBatch
-from pdserve.engine.kv_tensor import (PagedKvCache, allocate_kv_tensor, bytes_per_block, kv_storage_dtype,
+from pdserve.engine.model import decode_attention
+from pdserve.engine.model.attention import plan_attention
+from pdserve.engine.model.batch import ForwardBatch
+from pdserve.engine.model.kv_tensor import (PagedKvCache, allocate_kv_tensor, bytes_per_block, kv_storage_dtype,
                                       num_blocks_for_budget)
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.loading.model_config import ModelConfig
 
 from model_builders import chunk
 

@@ -6,7 +6,7 @@ import torch
 from gguf import GGMLQuantizationType as GgmlType
 
 from pdserve.common.errors import ConfigError
-from pdserve.engine.dequant import CHUNK_BLOCKS, dequantize, num_bytes
+from pdserve.engine.loading.dequant import CHUNK_BLOCKS, dequantize, num_bytes
 
 ROWS, COLS = 3 * CHUNK_BLOCKS // 8 + 5, 256  # spans several chunks and ends in a partial one
 

@@ -8,8 +8,8 @@ import torch
 from model_builders import TOKENS_PER_BLOCK, load_runner, prompt
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
 from token_store_runner import CharTokenizer
 

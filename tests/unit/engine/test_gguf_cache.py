@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pdserve.common.model_source import default_model_path
-from pdserve.engine import gguf_cache, gguf_loader
-from pdserve.engine.gguf_loader import load_gguf
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.loading import gguf_cache, gguf_loader
+from pdserve.engine.loading.gguf_loader import load_gguf
+from pdserve.engine.model.runner import ModelRunner
 
 from gguf_builders import make_hf_weights, write_gguf
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 import transformers
 
-from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer
 from pdserve.common.ids import RequestId
 from pdserve.common.model_source import default_model_path
 from pdserve.common.request import SamplingParams
-from pdserve.common.tokenizer import load_tokenizer
-from pdserve.engine.batch import ForwardBatch, SeqChunk
-from pdserve.engine.gguf_loader import load_gguf
-from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.models.tokenizer import load_tokenizer
+from pdserve.engine.model.batch import ForwardBatch, SeqChunk
+from pdserve.engine.loading.gguf_loader import load_gguf
+from pdserve.engine.model.runner import ModelRunner
+from pdserve.engine.model.sampler import Sampler, SamplingRow
 
 pytestmark = pytest.mark.slow  # loads the 135M model twice (~60 s on two CPU cores)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdserve.common.errors import ConfigError
-from pdserve.engine.gguf_loader import hf_tensor_name, load_gguf, load_gguf_config, unpermute_rope_rows
+from pdserve.engine.loading.gguf_loader import hf_tensor_name, load_gguf, load_gguf_config, unpermute_rope_rows
 
 from gguf_builders import (FFN, HEAD_DIM, HIDDEN, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, VOCAB, llama_cpp_permute,
                            make_hf_weights, write_gguf)

@@ -4,8 +4,8 @@ import pytest
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
 from tests.unit.engine.token_store_runner import CharTokenizer, TokenStoreRunner, reference
 

@@ -2,7 +2,7 @@
 import pytest
 
 from pdserve.common.errors import ConfigError
-from pdserve.engine.model_config import Llama3RopeScaling, ModelConfig
+from pdserve.engine.loading.model_config import Llama3RopeScaling, ModelConfig
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,

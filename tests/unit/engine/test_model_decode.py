@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pdserve.engine import decode_attention
+from pdserve.engine.model import decode_attention
 
 from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
 

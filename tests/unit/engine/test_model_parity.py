@@ -4,8 +4,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.engine import decode_attention
-from pdserve.engine.layers import RotaryEmbedding
+from pdserve.engine.model import decode_attention
+from pdserve.engine.model.layers import RotaryEmbedding
 
 from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
 

@@ -4,7 +4,7 @@ sliding windows, scattered block tables), in float32 and bfloat16."""
 import pytest
 import torch
 
-from pdserve.engine.native import is_supported, load_native
+from pdserve.engine.model.native import is_supported, load_native
 
 pytestmark = pytest.mark.skipif(not is_supported(), reason="the native kernels need an AVX-512 CPU")
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from pdserve.common.errors import InvalidRequestError
-from pdserve.engine.batch import ForwardBatch
+from pdserve.engine.model.batch import ForwardBatch
 
 from model_builders import chunk, load_runner, prompt, run
 

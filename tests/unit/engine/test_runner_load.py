@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pdserve.common.errors import ConfigError
-from pdserve.engine.runner import ModelRunner
-from pdserve.engine.weights import load_model_config
+from pdserve.engine.model.runner import ModelRunner
+from pdserve.engine.loading.weights import load_model_config
 
 from model_builders import TINY, chunk, load_runner, make_checkpoint, prompt, run
 

@@ -6,7 +6,7 @@ import torch
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.request import SamplingParams
-from pdserve.engine.sampler import Sampler, SamplingRow, _filter_top_k_top_p, make_generator
+from pdserve.engine.model.sampler import Sampler, SamplingRow, _filter_top_k_top_p, make_generator
 
 VOCAB = 1000
 

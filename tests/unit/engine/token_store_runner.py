@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.batch import ForwardBatch, ForwardOutput
+from pdserve.engine.model.batch import ForwardBatch, ForwardOutput
 
 VOCAB = 97
 

@@ -4,8 +4,8 @@ prefill-0, ..., then decode, as serve starts them) form the first stage, the rou
 import sys
 from pathlib import Path
 
-from pdserve.launcher import run
-from pdserve.supervisor import ChildSpec, Supervisor
+from pdserve.serve.launcher import run
+from pdserve.serve.supervisor import ChildSpec, Supervisor
 
 directory, router_mode, worker_modes = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 stand_in = str(Path(__file__).with_name("stand_in_child.py"))

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common.serve_settings import resolve_serve_settings
+from pdserve.serve.settings import resolve_serve_settings
 from pdserve.common.settings import resolve_router_settings, resolve_worker_settings
-from pdserve.launcher import child_stages, ready_banner
+from pdserve.serve.launcher import child_stages, ready_banner
 
 DRIVER = str(Path(__file__).with_name("serve_driver.py"))
 WAIT_S = 20.0

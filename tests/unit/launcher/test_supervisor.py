@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.supervisor import ChildFailedError, ChildSpec, Supervisor
+from pdserve.serve.supervisor import ChildFailedError, ChildSpec, Supervisor
 
 STAND_IN = str(Path(__file__).with_name("stand_in_child.py"))
 

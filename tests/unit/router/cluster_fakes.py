@@ -6,7 +6,7 @@ from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
-from pdserve.router.worker_pool import PoolConfig, WorkerPool
+from pdserve.router.routing.worker_pool import PoolConfig, WorkerPool
 
 TPB = 4
 HASH = "sha256-v1"

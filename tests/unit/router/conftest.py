@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve.common.tokenizer import Tokenizer, load_tokenizer
+from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,8 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from pdserve.router.body import read_body
-from pdserve.router.errors import ApiError
+from pdserve.router.openai.body import read_body
+from pdserve.router.openai.errors import ApiError
 
 
 def request(chunks: list[bytes], content_length: int | None) -> tuple[Request, list[int]]:

@@ -2,7 +2,7 @@
 import pytest
 
 from pdserve.common.errors import ConfigError
-from pdserve.router.cost import (
+from pdserve.router.routing.cost import (
     CostWeights,
     WorkerLoad,
     credit,
@@ -11,7 +11,7 @@ from pdserve.router.cost import (
     num_prompt_blocks,
     prefill_cost,
 )
-from pdserve.router.prefix_index import Overlap
+from pdserve.router.routing.prefix_index import Overlap
 
 W = CostWeights()
 IDLE = WorkerLoad(num_requests=0, num_active_blocks=0, num_prefill_tokens=0)

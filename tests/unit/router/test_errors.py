@@ -1,5 +1,5 @@
 from pdserve.common.errors import InvalidRequestError, WorkerError, WorkerTimeoutError, WorkerUnavailableError
-from pdserve.router.errors import MAX_MESSAGE_CHARS, ApiError, from_exception
+from pdserve.router.openai.errors import MAX_MESSAGE_CHARS, ApiError, from_exception
 
 
 def test_envelope_shape() -> None:

@@ -9,7 +9,7 @@ FORBIDDEN = ("torch", "pdserve.engine", "pdserve.worker", "pdserve.transfer")
 def test_router_imports_no_torch_engine_worker_or_transfer() -> None:
     code = (
         "import json, sys\n"
-        "import pdserve.router.app, pdserve.router.__main__\n"
+        "import pdserve.router.openai.app, pdserve.router.__main__\n"
         f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
         f"or m.startswith({FORBIDDEN[1:]!r}))))\n"
     )

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import WorkerId
 from pdserve.kvcache import BlockStored, Tier, hash_request_blocks
-from pdserve.router.kv_events_client import KvEventsError, KvEventsUnsupported
-from pdserve.router.kv_subscriber import KvEventSubscriber
-from pdserve.router.prefix_index import Overlap, PrefixIndex
-from pdserve.router.routing_metrics import RoutingCounters
+from pdserve.router.routing.kv_events_client import KvEventsError, KvEventsUnsupported
+from pdserve.router.routing.kv_subscriber import KvEventSubscriber
+from pdserve.router.routing.prefix_index import Overlap, PrefixIndex
+from pdserve.router.routing.routing_metrics import RoutingCounters
 from pdserve.rpc.kv_events import EventBatch, KvSnapshot
 
 W = WorkerId("w:1")

@@ -1,7 +1,7 @@
 from pdserve.common.request import TokenLogprob
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.router.logprobs import LogprobFormatter
-from pdserve.router.responses import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.router.openai.logprobs import LogprobFormatter
+from pdserve.router.openai.responses import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
 def test_completion_format_includes_the_sampled_token_and_offsets(tokenizer: Tokenizer) -> None:

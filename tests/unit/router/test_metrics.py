@@ -3,7 +3,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.common.ids import RequestId
 from pdserve.common.request import RequestOutput
 from pdserve.common.stats import EngineStats
-from pdserve.router.metrics import RequestTimer, RouterMetrics
+from pdserve.router.openai.metrics import RequestTimer, RouterMetrics
 
 STATS = EngineStats(num_running=3, num_waiting=4, num_free_blocks=10, num_total_blocks=32, num_used_blocks=22,
                     num_prefill_tokens_queued=0, prefix_cache_queried_tokens=500, prefix_cache_hit_tokens=200,

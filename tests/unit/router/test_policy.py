@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import WorkerId
-from pdserve.router.policy import Candidate, KvAwarePolicy, make_policy, softmax_weights
+from pdserve.router.routing.policy import Candidate, KvAwarePolicy, make_policy, softmax_weights
 
 
 def cand(worker: str, cost: float, num_requests: int = 0, num_blocks: int = 0) -> Candidate:

@@ -1,7 +1,7 @@
 """The router's prefix index: events in, overlaps out; gaps and unsynced workers; removal; salts."""
 from pdserve.common.ids import BlockHash, WorkerId
 from pdserve.kvcache import AllCleared, BlockRemoved, BlockStored, BlockUpdated, Tier, hash_request_blocks
-from pdserve.router.prefix_index import ApplyResult, Overlap, PrefixIndex
+from pdserve.router.routing.prefix_index import ApplyResult, Overlap, PrefixIndex
 
 A, B = WorkerId("a:1"), WorkerId("b:2")
 TPB = 4

@@ -1,9 +1,9 @@
 import pytest
 
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.router.errors import ApiError
-from pdserve.router.prompts import Prompt, chat_prompt, completion_prompts
-from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.prompts import Prompt, chat_prompt, completion_prompts
+from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 VOCAB = 49152
 

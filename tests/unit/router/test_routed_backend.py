@@ -10,12 +10,12 @@ from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, SamplingParams
 from pdserve.common.stats import EngineStats, WorkerRole
-from pdserve.router.cluster import Cluster, ClusterConfig
-from pdserve.router.cost import WorkerLoad
-from pdserve.router.kv_events_client import KvEventsUnsupported
-from pdserve.router.planner import Planner, RoutingConfig
-from pdserve.router.routed_backend import RoutedBackend, prompt_block_keys
-from pdserve.router.worker_pool import PoolConfig
+from pdserve.router.routing.cluster import Cluster, ClusterConfig
+from pdserve.router.routing.cost import WorkerLoad
+from pdserve.router.routing.kv_events_client import KvEventsUnsupported
+from pdserve.router.routing.planner import Planner, RoutingConfig
+from pdserve.router.routing.routed_backend import RoutedBackend, prompt_block_keys
+from pdserve.router.routing.worker_pool import PoolConfig
 from pdserve.kvcache import hash_request_blocks
 from tests.unit.router.cluster_fakes import TPB, FakeWorker, info, stats
 

@@ -7,8 +7,8 @@ import pytest
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput, SamplingParams
-from pdserve.router.errors import ApiError
-from pdserve.router.runner import StreamTimeouts, run_streams
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.runner import StreamTimeouts, run_streams
 
 QUICK = StreamTimeouts(first_output_s=0.2, output_s=0.2)
 

@@ -1,9 +1,9 @@
 import pytest
 
 from pdserve.common.request import PriorityRange, SamplingParams
-from pdserve.router.errors import ApiError
-from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.router.sampling import (
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.sampling import (
     check_chat_supported,
     check_completion_supported,
     priority_ranges,

@@ -7,8 +7,8 @@ import pytest
 from pdserve.common.errors import ConfigError, WorkerUnavailableError
 from pdserve.common.ids import WorkerId
 from pdserve.common.stats import WorkerRole
-from pdserve.router.cost import WorkerLoad
-from pdserve.router.registration import check_all, cluster_info
+from pdserve.router.routing.cost import WorkerLoad
+from pdserve.router.routing.registration import check_all, cluster_info
 from tests.unit.router.cluster_fakes import FakeClock, FakeWorker, RecordingListener, info, make_pool, stats
 
 A, B, C = WorkerId("a:1"), WorkerId("b:2"), WorkerId("c:3")

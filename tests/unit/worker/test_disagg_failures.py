@@ -9,9 +9,9 @@ import pytest
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, SamplingParams
 from pdserve.common.stats import ModelInfo, WorkerRole
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.runner import ModelRunner
-from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.model.runner import ModelRunner
+from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
 from pdserve.rpc.gen import kv_transfer_pb2_grpc
 from pdserve.transfer.fake import FakeFabric, FakeTransport, Fault

@@ -12,10 +12,10 @@ from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import WorkerId
 from pdserve.common.stats import ModelInfo, WorkerRole
 from pdserve.kvcache import BlockStored, Tier, hash_request_blocks
-from pdserve.router.kv_events_client import KvEventsClient
-from pdserve.router.kv_subscriber import KvEventSubscriber
-from pdserve.router.prefix_index import Overlap, PrefixIndex
-from pdserve.router.routing_metrics import RoutingCounters
+from pdserve.router.routing.kv_events_client import KvEventsClient
+from pdserve.router.routing.kv_subscriber import KvEventSubscriber
+from pdserve.router.routing.prefix_index import Overlap, PrefixIndex
+from pdserve.router.routing.routing_metrics import RoutingCounters
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.kv_events import KvEventPublisher, KvEventsServicer, SubscriberOverflow
 from pdserve.worker.server import WorkerServer

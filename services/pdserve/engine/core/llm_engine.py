@@ -1,0 +1,280 @@
+"""`LLMEngine`: one worker's synchronous step loop.
+
+    step = schedule → forward → mark computed → sample → detokenize / stop → free finished
+
+The scheduler decides what runs, the KV cache manager which memory, the model runner runs
+the tensors, the sampler picks tokens; this module only wires them together per step.
+"""
+import itertools
+import time
+from bisect import insort
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+
+import torch
+
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
+from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError
+from pdserve.common.ids import BlockId, RequestId
+from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.engine.model.batch import ForwardBatch, SeqChunk
+from pdserve.engine.model.sampler import Sampler, SamplingRow, make_generator
+from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from pdserve.engine.core.sequence import Sequence, SeqStatus
+from pdserve.engine.core.stopping import finish_reason_after
+from pdserve.kvcache import ClaimResult, KvCacheManager
+
+
+class LLMEngine:
+    """Owns the sequences of every live request; not thread-safe (one thread drives it)."""
+
+    def __init__(self, runner, kv: KvCacheManager, tokenizer, config: SchedulerConfig, sampler: Sampler | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.config = config
+        self.scheduler = Scheduler(config, kv)
+        self.sampler = sampler or Sampler()
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self.vocab_size = runner.config.vocab_size
+        self._requests: dict[RequestId, list[Sequence]] = {}
+        self._arrivals = itertools.count()
+        self._clock = clock
+        self._handoffs: dict[RequestId, Sequence] = {}  # REMOTE_PREFILL or HELD, with a lease
+        self.num_lease_expiries = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def add_request(self, request: GenerationRequest, prefill_only: bool = False, hold_lease_s: float = 30.0) -> None:
+        """Queue a request; InvalidRequestError / DuplicateRequestError leave the engine unchanged.
+
+        `prefill_only`: finish after the first token and keep the blocks (HELD) until
+        `release_held` or the lease ends, so a peer can receive the prompt's KV.
+        """
+        self._validate(request)
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        seq.cache_request().validate()
+        seq.prefill_only = prefill_only
+        seq.hold_lease_s = hold_lease_s
+        self._requests[request.request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: RequestId) -> list[RequestOutput]:
+        """Stop every completion of the request and free its blocks; unknown ids are ignored.
+
+        Blocks a peer may still be writing (REMOTE_PREFILL) stay reserved until the transfer's
+        outcome is reported or the lease ends; held blocks are released at once.
+        """
+        seqs = self._requests.pop(request_id, [])
+        outputs = []
+        handoff = self._handoffs.get(request_id)
+        if handoff is not None and handoff.status is SeqStatus.HELD:
+            self.release_held(request_id)
+        elif handoff is not None:
+            handoff.aborted = True
+            outputs.append(self._output(handoff, (), "", "abort"))
+        for seq in seqs:
+            if seq.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+                self.scheduler.remove(seq)
+                outputs.append(self._output(seq, (), "", "abort"))
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        batch = ForwardBatch(tuple(self._seq_chunk(c) for c in chunks))
+        result = self.runner.forward(batch)
+        sampled_rows: list[tuple[Sequence, object]] = []
+        for chunk, seq_chunk, logits in zip(chunks, batch.chunks, result.logits):
+            self.kv.mark_computed(chunk.seq.seq_id, chunk.num_tokens)
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            if seq_chunk.needs_logits:
+                sampled_rows += [(seq, logits[-1]) for seq in self._siblings_to_sample(chunk.seq)]
+        return self._sample_and_emit(sampled_rows)
+
+    # ---- KV handoff between a prefill and a decode worker ----------------------------------------
+
+    def num_missing_prompt_tokens(self, request: GenerationRequest) -> int:
+        """Prompt tokens this engine would have to compute (or receive): not in its prefix cache."""
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        return len(request.prompt_token_ids) - self.kv.analyze_prefix_reuse(seq.cache_request()).num_cached_tokens
+
+    def reserve_remote(self, request: GenerationRequest, lease_s: float) -> ClaimResult:
+        """Decode side: claim blocks for the whole prompt (its cached prefix reused locally).
+
+        The prompt's remaining KV is expected from a peer before `lease_s` passes; then call
+        `complete_remote` or `fail_remote`. OutOfBlocksError leaves nothing reserved.
+        """
+        self._validate(request)
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        claim = self.kv.add_sequence(seq.cache_request())
+        seq.status = SeqStatus.REMOTE_PREFILL
+        seq.num_computed_tokens = seq.num_cached_tokens = claim.num_cached_tokens
+        seq.lease_deadline = self._clock() + lease_s
+        self._requests[request.request_id] = [seq]
+        self._handoffs[request.request_id] = seq
+        return claim
+
+    def complete_remote(self, request_id: RequestId, first_token: int, logprob=None) -> list[RequestOutput]:
+        """Decode side: the prompt's KV has landed; the first token (sampled by the peer) is emitted."""
+        seq = self._handoffs.pop(request_id)
+        self.kv.mark_computed(seq.seq_id, seq.num_prompt_tokens - seq.num_computed_tokens)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        if seq.aborted:
+            self.kv.free(seq.seq_id)
+            return []
+        seq.status = SeqStatus.RUNNING
+        insort(self.scheduler.running, seq, key=lambda s: s.arrival)
+        return [self._advance(seq, first_token, logprob)]
+
+    def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> list[RequestOutput]:
+        """Decode side: the transfer failed. Its blocks are freed, never published; the request is
+        recomputed locally or ends with an error."""
+        seq = self._handoffs.pop(request_id)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        if seq.aborted:
+            return []
+        if recompute:
+            seq.status = SeqStatus.WAITING
+            self.scheduler.add(seq)
+            return []
+        self._requests.pop(request_id, None)
+        seq.status = SeqStatus.FINISHED
+        return [replace(self._output(seq, (), "", "error"), error=reason)]
+
+    def held_block_ids(self, request_id: RequestId) -> list[BlockId]:
+        """Prefill side: the blocks holding a finished prefill's KV, in prompt order."""
+        seq = self._handoffs[request_id]
+        return self.kv.block_ids(seq.seq_id)
+
+    def release_held(self, request_id: RequestId) -> None:
+        """Prefill side: the peer has the KV (or gave up); free the blocks (they stay cached)."""
+        seq = self._handoffs.pop(request_id, None)
+        if seq is not None and seq.status is SeqStatus.HELD:
+            self.kv.free(seq.seq_id)
+            seq.status = SeqStatus.FINISHED
+
+    def reap_expired_leases(self) -> list[RequestOutput]:
+        """Free blocks held for a peer past their lease (runs every loop iteration, idle or not)."""
+        now = self._clock()
+        outputs = []
+        for request_id, seq in list(self._handoffs.items()):
+            if seq.lease_deadline is not None and seq.lease_deadline <= now:
+                self.num_lease_expiries += 1
+                if seq.status is SeqStatus.HELD:
+                    self.release_held(request_id)
+                else:
+                    outputs += self.fail_remote(request_id, recompute=False, reason="KV transfer lease expired")
+        return outputs
+
+    @property
+    def num_handoffs(self) -> int:
+        return len(self._handoffs)
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _validate(self, request: GenerationRequest) -> None:
+        prompt = request.prompt_token_ids
+        if request.request_id in self._requests:
+            raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+        if not prompt:
+            raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt has token ids outside 0..{self.vocab_size - 1}", "prompt")
+        max_len = self.config.max_model_len
+        if len(prompt) + request.sampling.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds "
+                f"max_model_len {max_len}", "max_tokens")
+        if not 1 <= request.sampling.n <= self.config.max_num_seqs:
+            raise InvalidRequestError(f"n={request.sampling.n}: must be in 1..{self.config.max_num_seqs}", "n")
+
+    def _new_sequence(self, request: GenerationRequest, index: int, token_ids: list[int]) -> Sequence:
+        seq_id = request.request_id if index == 0 else RequestId(f"{request.request_id}#{index}")
+        sampling = request.sampling
+        generator = None if sampling.seed is None else make_generator(sampling.seed, index, self.runner.device)
+        return Sequence(
+            seq_id, request, index, token_ids,
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            StopChecker(sampling.stop, sampling.include_stop_str_in_output),
+            next(self._arrivals), generator,
+        )
+
+    def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
+        seq = chunk.seq
+        start = seq.num_computed_tokens
+        end = start + chunk.num_tokens
+        return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:end]), start,
+                        tuple(self.kv.block_ids(seq.seq_id)), needs_logits=end == len(seq.token_ids))
+
+    def _siblings_to_sample(self, seq: Sequence) -> list[Sequence]:
+        """`seq`, plus its n-1 siblings forked off it when its prompt has just been computed."""
+        family = self._requests[seq.request.request_id]
+        if seq.prefill_only or seq.index != 0 or seq.num_output_tokens or len(family) >= seq.request.sampling.n:
+            return [seq]
+        forked = [seq]
+        for index in range(1, seq.request.sampling.n):
+            child = self._new_sequence(seq.request, index, list(seq.token_ids))
+            family.append(child)
+            try:
+                _, copy = self.kv.fork(seq.seq_id, child.seq_id)
+            except OutOfBlocksError:
+                self.scheduler.add(child)  # no room to share now: recompute from the prefix cache later
+                continue
+            if copy is not None:
+                self.runner.copy_blocks([copy[0]], [copy[1]])
+            child.status = SeqStatus.RUNNING
+            child.num_computed_tokens = seq.num_computed_tokens
+            self.scheduler.running.append(child)
+            forked.append(child)
+        return forked
+
+    def _sample_and_emit(self, rows: list[tuple[Sequence, object]]) -> list[RequestOutput]:
+        if not rows:
+            return []
+        logits = torch.stack([r for _, r in rows])  # (B, vocab)
+        sampled = self.sampler.sample(logits, [SamplingRow(s.request.sampling, s.generator) for s, _ in rows])
+        outputs = []
+        for (seq, _), token in zip(rows, sampled):
+            outputs.append(self._advance(seq, token.token_id, token.logprob))
+        return outputs
+
+    def _advance(self, seq: Sequence, token_id: int, logprob) -> RequestOutput:
+        seq.token_ids.append(token_id)
+        self.kv.append_tokens(seq.seq_id, [token_id])
+        piece = seq.stops.feed(seq.detokenizer.add([token_id]))
+        reason = "stop" if piece.stopped else finish_reason_after(seq, token_id, self.eos_token_ids, self.config.max_model_len)
+        if seq.prefill_only and reason is None:
+            reason = "length"
+        text = piece.text
+        if reason is not None and not piece.stopped:
+            text += seq.stops.feed(seq.detokenizer.flush()).text + seq.stops.flush()
+        if reason is not None:
+            self._finish(seq)
+        return self._output(seq, (token_id,), text, reason, (logprob,) if logprob is not None else ())
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.prefill_only:
+            self._hold(seq)
+            return
+        self.scheduler.remove(seq)
+        family = self._requests.get(seq.request.request_id, [])
+        if family and all(s.status is SeqStatus.FINISHED for s in family) and len(family) >= seq.request.sampling.n:
+            del self._requests[seq.request.request_id]
+
+    def _hold(self, seq: Sequence) -> None:
+        self.scheduler.running.remove(seq)
+        seq.status = SeqStatus.HELD
+        seq.lease_deadline = self._clock() + seq.hold_lease_s
+        self._handoffs[seq.request.request_id] = seq
+        self._requests.pop(seq.request.request_id, None)
+
+    def _output(self, seq: Sequence, token_ids: Seq[int], text: str, reason: str | None, logprobs=()) -> RequestOutput:
+        return RequestOutput(seq.request.request_id, seq.index, tuple(token_ids), text, tuple(logprobs), reason,
+                             seq.num_prompt_tokens, seq.num_cached_tokens)

@@ -1,0 +1,123 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step: running sequences first (decodes and unfinished prefill chunks), in arrival order,
+each taking what the budget allows; when blocks run out the latest arrival is preempted (its
+blocks freed, recomputed later from the prefix cache), so no request is dropped for lack of
+memory. Then waiting sequences are admitted while the budget, `max_num_seqs` and the blocks
+allow, all through one two-phase claim (`add_sequence_batch`).
+"""
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.common.errors import OutOfBlocksError
+from pdserve.engine.core.sequence import Sequence, SeqStatus
+from pdserve.kvcache import KvCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+
+
+class Scheduler:
+    """Decides what runs each step; the KV cache manager decides which memory it uses."""
+
+    def __init__(self, config: SchedulerConfig, kv: KvCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_prefill_tokens_queued(self) -> int:
+        return sum(s.num_uncomputed for s in self.waiting) + sum(s.num_uncomputed for s in self.running if s.is_prefilling)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in list(self.running):  # arrival order; later arrivals are preempted first
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted to make room for an earlier arrival
+            n = min(seq.num_uncomputed, budget)
+            if n > 0 and self._make_room(seq, n):
+                chunks.append(ScheduledChunk(seq, n))
+                budget -= n
+        return chunks + self._admit(budget)
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Reserve blocks for `seq`'s next chunk, preempting the latest arrivals as needed.
+
+        Victims are always at the tail of `running`, i.e. not yet scheduled this step.
+        """
+        while True:
+            try:
+                self.kv.allocate_slots(seq.seq_id, num_tokens)
+                return True
+            except OutOfBlocksError:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit(self, budget: int) -> list[ScheduledChunk]:
+        """Admit waiting sequences in order while they fit, all in one two-phase claim."""
+        tpb = self.kv.tokens_per_block
+        batch: list[tuple[Sequence, int]] = []
+        requests = []
+        blocks_left = self.kv.num_free_blocks
+        while self.waiting and budget > 0 and len(self.running) + len(batch) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            analysis = self.kv.analyze_prefix_reuse(seq.cache_request())
+            cached = analysis.num_cached_tokens
+            n = min(len(seq.token_ids) - cached, budget)
+            revived = self.kv.num_free_blocks - analysis.num_available_blocks
+            need = -(-(cached + n) // tpb) - analysis.num_cached_blocks + revived
+            if need > blocks_left:
+                break
+            self.waiting.popleft()
+            blocks_left -= need
+            budget -= n
+            batch.append((seq, n))
+            requests.append(seq.cache_request(num_claim_tokens=cached + n))
+        if not batch:
+            return []
+        claims = self.kv.add_sequence_batch(requests)
+        scheduled = []
+        for (seq, n), claim in zip(batch, claims):
+            seq.status = SeqStatus.RUNNING
+            seq.num_computed_tokens = seq.num_cached_tokens = claim.num_cached_tokens
+            insort(self.running, seq, key=lambda s: s.arrival)
+            scheduled.append(ScheduledChunk(seq, min(n, seq.num_uncomputed)))
+        return scheduled

@@ -1,0 +1,62 @@
+"""One completion being generated: its tokens, progress, and text state.
+
+A request with `n` completions becomes `n` sequences; they share the prompt's blocks
+(the first is forked after its prefill).
+"""
+import enum
+from dataclasses import dataclass
+
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
+from pdserve.common.ids import RequestId
+from pdserve.common.request import GenerationRequest
+from pdserve.kvcache import CacheRequest
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    REMOTE_PREFILL = "remote_prefill"  # blocks reserved; the prompt's KV is arriving from a peer
+    HELD = "held"  # prefill done; blocks kept for a peer to receive
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: RequestId  # the KV cache manager's id: request id, or "<request id>#<index>"
+    request: GenerationRequest
+    index: int
+    token_ids: list[int]  # prompt, then generated tokens
+    detokenizer: IncrementalDetokenizer
+    stops: StopChecker
+    arrival: int  # admission order; the latest arrival is preempted first
+    generator: object | None = None  # torch.Generator for a seeded request
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    prefill_only: bool = False  # stop after the first token and hold the blocks for a peer
+    hold_lease_s: float = 30.0  # how long HELD blocks wait for the peer
+    lease_deadline: float | None = None  # REMOTE_PREFILL / HELD blocks are freed after this
+    aborted: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_output_tokens == 0
+
+    def cache_request(self, num_claim_tokens: int | None = None) -> CacheRequest:
+        """The KV cache's view of this sequence (its whole token list, for recompute after preemption)."""
+        r = self.request
+        return CacheRequest(self.seq_id, list(self.token_ids), r.lora_id, r.cache_salt, r.multimodal,
+                            r.priorities, num_claim_tokens=num_claim_tokens)

@@ -1,0 +1,103 @@
+"""The Llama-family decoder (Llama, Qwen2, Mistral) over flattened tokens and the paged KV cache.
+
+Projections that read the same input are fused at load time (q|k|v, gate|up), so a layer
+runs four matmuls over all tokens of the step at once; only attention looks at sequences.
+"""
+import torch
+import torch.nn.functional as F
+
+from pdserve.common.errors import ConfigError
+from pdserve.engine.model.attention import AttentionPlan, paged_attention
+from pdserve.engine.model.kv_tensor import PagedKvCache
+from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from pdserve.engine.loading.model_config import ModelConfig
+
+
+class _Weights:
+    """Hands out checkpoint tensors by HF name, checking each one's shape."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def take(self, name: str, *shape: int) -> torch.Tensor:
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise ConfigError("checkpoint", name, "tensor missing from the checkpoint")
+        if tuple(tensor.shape) != shape:
+            raise ConfigError(name, tuple(tensor.shape), f"expected shape {shape}")
+        return tensor
+
+    def take_optional(self, is_present: bool, name: str, *shape: int) -> torch.Tensor | None:
+        return self.take(name, *shape) if is_present else None
+
+
+class DecoderLayer:
+    __slots__ = ("index", "num_heads", "num_kv_heads", "head_dim", "input_norm", "qkv", "qkv_bias",
+                 "o_proj", "o_bias", "post_norm", "mlp")
+
+    def __init__(self, index: int, config: ModelConfig, weights: _Weights) -> None:
+        c, prefix = config, f"model.layers.{index}."
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        attn = prefix + "self_attn."
+        self.input_norm = RMSNorm(weights.take(prefix + "input_layernorm.weight", c.hidden_size), c.rms_norm_eps)
+        self.post_norm = RMSNorm(weights.take(prefix + "post_attention_layernorm.weight", c.hidden_size),
+                                 c.rms_norm_eps)
+        self.qkv = torch.cat([weights.take(attn + "q_proj.weight", q_width, c.hidden_size),
+                              weights.take(attn + "k_proj.weight", kv_width, c.hidden_size),
+                              weights.take(attn + "v_proj.weight", kv_width, c.hidden_size)])  # (q+2kv, H)
+        self.qkv_bias = torch.cat([weights.take(attn + "q_proj.bias", q_width),
+                                   weights.take(attn + "k_proj.bias", kv_width),
+                                   weights.take(attn + "v_proj.bias", kv_width)]) if c.qkv_bias else None
+        self.o_proj = weights.take(attn + "o_proj.weight", c.hidden_size, q_width)
+        self.o_bias = weights.take_optional(c.o_bias, attn + "o_proj.bias", c.hidden_size)
+        self.mlp = _mlp(prefix + "mlp.", c, weights)
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 plan: AttentionPlan, kv: PagedKvCache) -> torch.Tensor:
+        """h (T, H) -> (T, H); writes this layer's K/V for the step's tokens into `kv`."""
+        num_tokens, nh, kvh, hd = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(self.input_norm(h), self.qkv, self.qkv_bias)  # (T, (nh + 2 kvh) hd)
+        qk = qkv[:, :(nh + kvh) * hd].view(num_tokens, nh + kvh, hd)
+        qk = RotaryEmbedding.apply(qk, cos, sin)  # (T, nh + kvh, hd): q and k share one rotation
+        v = qkv[:, (nh + kvh) * hd:].view(num_tokens, kvh, hd)
+        attn = paged_attention(self.index, qk[:, :nh], qk[:, nh:], v, plan, kv)  # (T, nh hd)
+        h = h + F.linear(attn, self.o_proj, self.o_bias)
+        return h + self.mlp(self.post_norm(h))
+
+
+def _mlp(prefix: str, c: ModelConfig, weights: _Weights) -> SwiGLU:
+    gate_up = torch.cat([weights.take(prefix + "gate_proj.weight", c.intermediate_size, c.hidden_size),
+                         weights.take(prefix + "up_proj.weight", c.intermediate_size, c.hidden_size)])
+    gate_up_bias = torch.cat([weights.take(prefix + "gate_proj.bias", c.intermediate_size),
+                              weights.take(prefix + "up_proj.bias", c.intermediate_size)]) if c.mlp_bias else None
+    down = weights.take(prefix + "down_proj.weight", c.hidden_size, c.intermediate_size)
+    return SwiGLU(gate_up, down, gate_up_bias, weights.take_optional(c.mlp_bias, prefix + "down_proj.bias",
+                                                                      c.hidden_size))
+
+
+class CausalLM:
+    """Embedding, decoder layers, final norm and LM head; weights are plain tensors."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        c, weights = config, _Weights(tensors)
+        self.config = config
+        self.embed = weights.take("model.embed_tokens.weight", c.vocab_size, c.hidden_size)
+        self.layers = [DecoderLayer(i, c, weights) for i in range(c.num_layers)]
+        self.norm = RMSNorm(weights.take("model.norm.weight", c.hidden_size), c.rms_norm_eps)
+        self.lm_head = self.embed if c.tie_word_embeddings else weights.take(
+            "lm_head.weight", c.vocab_size, c.hidden_size)
+        self.rope = RotaryEmbedding(c, device)
+
+    def forward(self, token_ids: torch.Tensor, plan: AttentionPlan, kv: PagedKvCache,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """token_ids (T,) -> float32 logits (R, vocab) of the hidden rows `logit_rows` (R,)."""
+        h = F.embedding(token_ids, self.embed)  # (T, H)
+        cos, sin = self.rope.cos_sin(plan.positions, h.dtype)  # (T, 1, hd) each
+        for layer in self.layers:
+            h = layer(h, cos, sin, plan, kv)
+        if logit_rows.numel() == 0:
+            return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+        last = self.norm(h.index_select(0, logit_rows))  # (R, H)
+        return F.linear(last, self.lm_head).float()

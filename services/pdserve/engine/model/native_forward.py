@@ -1,0 +1,73 @@
+"""`NativeForward`: a `CausalLM`'s forward through the native CPU kernels (`engine/native`).
+
+Same weights, same KV tensor, same logits as `CausalLM.forward` up to float rounding: each
+step Python hands over four small tensors and the C++ side runs every layer.
+
+    segments (S, 3) int32: | q_start (row in the step) | q_len | start_pos (tokens already in KV) |
+"""
+import torch
+
+from pdserve.common.errors import ConfigError
+from pdserve.engine.model.batch import ForwardBatch
+from pdserve.engine.model.kv_tensor import PagedKvCache
+from pdserve.engine.model.decoder import CausalLM
+from pdserve.engine.model.native import load_native
+
+KERNEL_CHOICES = ("auto", "native", "torch")
+# Up to this many rows a step's matrix products run on the native bf16 kernel, above it on
+# oneDNN (measured crossover on a 2-core AVX-512 CPU: about 24 rows).
+MAX_NATIVE_MATMUL_ROWS = 16
+
+
+def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:
+    """Why the native kernels cannot run this model and cache, or None when they can."""
+    c = model.config
+    if kv.tensor.device.type != "cpu":
+        return f"device {kv.tensor.device.type} (the native kernels are for CPUs)"
+    if model.embed.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {model.embed.dtype} (float32 and bfloat16 are supported)"
+    if kv.tensor.dtype != model.embed.dtype:
+        return f"KV cache dtype {kv.tensor.dtype} differs from the model's"
+    if c.head_dim % 32 or c.hidden_size % 16 or c.intermediate_size % 16:
+        return "head_dim must be a multiple of 32, hidden and intermediate sizes of 16"
+    return None
+
+
+def build_native(model: CausalLM, kv: PagedKvCache, kernels: str, cache_dir: str | None) -> "NativeForward | None":
+    """The native forward for `kernels` = auto | native | torch; None means the torch path.
+
+    `native` raises ConfigError when the kernels cannot run here; `auto` falls back quietly."""
+    if kernels not in KERNEL_CHOICES:
+        raise ConfigError("kernels", kernels, f"supported: {', '.join(KERNEL_CHOICES)}")
+    if kernels == "torch":
+        return None
+    reason = native_unsupported_reason(model, kv)
+    module = None if reason else load_native(cache_dir)
+    if module is None and kernels == "native":
+        raise ConfigError("kernels", kernels, reason or "the native CPU kernels could not be built on this machine")
+    return None if module is None else NativeForward(model, module)
+
+
+class NativeForward:
+    def __init__(self, model: CausalLM, module) -> None:
+        c = model.config
+        layers = [[layer.input_norm.weight, layer.qkv, layer.qkv_bias, layer.o_proj, layer.o_bias,
+                   layer.post_norm.weight, layer.mlp.gate_up, layer.mlp.gate_up_bias, layer.mlp.down,
+                   layer.mlp.down_bias] for layer in model.layers]
+        self._model = module.NativeModel(
+            model.embed, model.norm.weight, model.lm_head, layers, model.rope.inv_freq, c.num_heads,
+            c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, MAX_NATIVE_MATMUL_ROWS)
+
+    def forward(self, batch: ForwardBatch, kv: PagedKvCache, logit_rows: list[int]) -> torch.Tensor:
+        """float32 logits (len(logit_rows), vocab) of the step's flattened rows `logit_rows`."""
+        chunks = batch.chunks
+        token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        segments, first = [], 0
+        for chunk in chunks:
+            segments.append((first, len(chunk.token_ids), chunk.start_pos))
+            first += len(chunk.token_ids)
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.tensor([c.block_table + (0,) * (width - len(c.block_table)) for c in chunks],
+                              dtype=torch.int32)  # (S, width), padding never read
+        return self._model.forward(token_ids, torch.tensor(segments, dtype=torch.int32), tables,
+                                   torch.tensor(logit_rows, dtype=torch.int64), kv.tensor)

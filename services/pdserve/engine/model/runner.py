@@ -1,0 +1,138 @@
+"""`ModelRunner`: the model, its KV tensor, and one forward per scheduler step.
+
+The runner runs tensors; it never decides what runs or which blocks a sequence owns. It
+checks a batch against the KV tensor before touching it, so a bad batch changes nothing.
+"""
+from pathlib import Path
+
+import torch
+
+from pdserve.common.errors import ConfigError, InvalidRequestError
+from pdserve.engine.model.attention import plan_attention
+from pdserve.engine.model.batch import ForwardBatch, ForwardOutput, SeqChunk
+from pdserve.engine.model.kv_tensor import (PagedKvCache, allocate_kv_tensor, bytes_per_block,
+                                      kv_storage_dtype, num_blocks_for_budget)
+from pdserve.engine.model.decoder import CausalLM
+from pdserve.engine.loading.model_config import ModelConfig
+from pdserve.engine.model.native_forward import NativeForward, build_native
+from pdserve.engine.loading.weights import load_checkpoint, load_model_config, resolve_device, resolve_dtype
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv: PagedKvCache, dtype: torch.dtype, device: torch.device,
+                 native: NativeForward | None = None) -> None:
+        self.model = model
+        self.kv = kv
+        self.dtype = dtype
+        self.device = device
+        self.native = native  # None: every step runs the torch ops of `model`
+
+    @classmethod
+    def load(cls, model_path: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
+             num_blocks: int | None = None, tokens_per_block: int = 16, kv_cache_dtype: str = "auto",
+             kv_cache_bytes: int | None = None, kv_scale: float = 1.0,
+             cache_dir: str | None = None, kernels: str = "auto") -> "ModelRunner":
+        """Load weights and allocate the KV tensor: give `num_blocks` or a `kv_cache_bytes` budget.
+
+        `model_path` is a Hugging Face checkpoint directory or a `.gguf` file; `cache_dir`
+        keeps a GGUF file's conversion and the compiled native kernels for the next load.
+        `kernels`: `auto` runs the native CPU kernels where they apply, `native` insists on
+        them (ConfigError where they cannot run), `torch` runs plain torch ops.
+        """
+        if (num_blocks is None) == (kv_cache_bytes is None):
+            raise ConfigError("num_blocks", num_blocks, "give exactly one of num_blocks and kv_cache_bytes")
+        # Every setting is checked, and the KV tensor allocated, before the weights are read.
+        config, target = load_model_config(model_path), resolve_device(device)
+        model_dtype = resolve_dtype(dtype, config)
+        storage = kv_storage_dtype(kv_cache_dtype, model_dtype)
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(config, tokens_per_block, storage, kv_cache_bytes)
+        kv = PagedKvCache(allocate_kv_tensor(config, num_blocks, tokens_per_block, storage, target),
+                          model_dtype, kv_scale)
+        checkpoint = load_checkpoint(model_path, dtype, target, cache_dir)
+        model = CausalLM(checkpoint.config, checkpoint.tensors, target)
+        return cls(model, kv, model_dtype, target, build_native(model, kv, kernels, cache_dir))
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def kv_tensor(self) -> torch.Tensor:
+        """(num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim)."""
+        return self.kv.tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.kv.tokens_per_block
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.config, self.tokens_per_block, self.kv.tensor.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Compute every chunk's tokens, writing their K/V; float32 logits per chunk.
+
+        Raises InvalidRequestError (changing nothing) when a chunk is empty, out of the
+        vocabulary or position range, or its block table is short or out of range.
+        """
+        self._validate(batch)
+        counts = [_num_logit_rows(c) for c in batch.chunks]
+        if self.native is not None:
+            logits = self.native.forward(batch, self.kv, _logit_rows(batch.chunks))  # (R, vocab)
+            return ForwardOutput(list(torch.split(logits, counts)))
+        plan = plan_attention(batch, self.kv, self.config.sliding_window)
+        token_ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)
+        logit_rows = torch.tensor(_logit_rows(batch.chunks), dtype=torch.int64, device=self.device)
+        logits = self.model.forward(token_ids.to(self.device), plan, self.kv, logit_rows)  # (R, vocab)
+        return ForwardOutput(list(torch.split(logits, counts)))
+
+    def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Copy whole blocks src_ids[i] -> dst_ids[i] (copy-on-write of a shared last block)."""
+        with torch.inference_mode():
+            self.kv.copy_blocks(src_ids, dst_ids)
+
+    def _validate(self, batch: ForwardBatch) -> None:
+        if not batch.chunks:
+            raise InvalidRequestError("a forward batch needs at least one chunk", "chunks")
+        for chunk in batch.chunks:
+            self._validate_chunk(chunk)
+
+    def _validate_chunk(self, chunk: SeqChunk) -> None:
+        rid, tokens, tpb = chunk.request_id, chunk.token_ids, self.tokens_per_block
+        if not tokens:
+            raise InvalidRequestError(f"chunk of {rid!r} has no tokens", "token_ids")
+        if min(tokens) < 0 or max(tokens) >= self.config.vocab_size:
+            raise InvalidRequestError(f"chunk of {rid!r} has token ids outside 0..{self.config.vocab_size - 1}",
+                                      "token_ids")
+        context_len = chunk.start_pos + len(tokens)
+        if chunk.start_pos < 0 or context_len > self.config.max_position_embeddings:
+            raise InvalidRequestError(f"chunk of {rid!r} spans positions {chunk.start_pos}..{context_len}, "
+                                      f"max {self.config.max_position_embeddings}", "start_pos")
+        if len(chunk.block_table) * tpb < context_len:
+            raise InvalidRequestError(f"block_table of {rid!r} has {len(chunk.block_table)} blocks, "
+                                      f"{context_len} tokens need {-(-context_len // tpb)}", "block_table")
+        if min(chunk.block_table) < 0 or max(chunk.block_table) >= self.num_blocks:
+            raise InvalidRequestError(f"block_table of {rid!r} names blocks outside 0..{self.num_blocks - 1}",
+                                      "block_table")
+
+
+def _num_logit_rows(chunk: SeqChunk) -> int:
+    if chunk.all_logits:
+        return len(chunk.token_ids)
+    return 1 if chunk.needs_logits else 0
+
+
+def _logit_rows(chunks: tuple[SeqChunk, ...]) -> list[int]:
+    """Rows of the flattened batch whose logits are wanted, chunk by chunk."""
+    rows, first = [], 0
+    for chunk in chunks:
+        end = first + len(chunk.token_ids)
+        rows.extend(range(end - _num_logit_rows(chunk), end))
+        first = end
+    return rows

@@ -1,0 +1,90 @@
+"""The model's tokenizer: text ↔ token ids, special tokens, and the chat template.
+
+Torch-free (the router imports it). Loaded from either model format `--model` accepts:
+an HF checkpoint directory (tokenizer.json and friends) or a GGUF file (rebuilt from its
+metadata, optionally cached). Rendering a chat gives text that already holds every special
+token the model expects, so encode it with `add_special_tokens=False`.
+"""
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenizers import Tokenizer as BackendTokenizer
+
+from pdserve.models.chat_template import ChatTemplate
+from pdserve.common.errors import InvalidRequestError
+from pdserve.models.gguf_tokenizer import read_gguf_tokenizer
+from pdserve.common.model_source import ModelFormat, resolve_model
+from pdserve.models.tokenizer_files import TokenizerSpec, read_hf_tokenizer
+
+
+class Tokenizer:
+    """A `tokenizers` backend plus what the checkpoint says about bos/eos and chat."""
+
+    def __init__(self, backend: BackendTokenizer, spec: TokenizerSpec) -> None:
+        self._backend = backend
+        self._spec = spec
+        self._chat: ChatTemplate | None = None
+        if spec.chat_template is not None:
+            self._chat = ChatTemplate(spec.chat_template, self._token(spec.bos_token_id), self._eos_token())
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._spec.bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation (eos, end-of-turn), in the checkpoint's order."""
+        return self._spec.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (e.g. BOS)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`. An incomplete UTF-8 sequence decodes to U+FFFD."""
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry (byte-level spelling for BPE), or None for an unknown id."""
+        return self._backend.id_to_token(token_id)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """The prompt text for a chat. Raises InvalidRequestError when the model has no
+        template or the template rejects the messages."""
+        if self._chat is None:
+            raise InvalidRequestError("this model has no chat template; use the completions API", param="messages")
+        return self._chat.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def _token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self._backend.id_to_token(token_id)
+
+    def _eos_token(self) -> str | None:
+        return self._token(self._spec.eos_token_ids[0]) if self._spec.eos_token_ids else None
+
+
+def load_tokenizer(model_path: str | None, cache_dir: str | None = None) -> Tokenizer:
+    """The tokenizer of a GGUF file or HF checkpoint dir (None: the default model).
+
+    `cache_dir`, for GGUF only, keeps the converted tokenizer so later loads skip reading
+    the file's metadata. Raises ConfigError for paths or tokenizers it cannot load.
+    """
+    source = resolve_model(model_path)
+    if source.format is ModelFormat.GGUF:
+        backend, spec = read_gguf_tokenizer(source.path, cache_dir)
+    else:
+        backend, spec = read_hf_tokenizer(source.path)
+    return Tokenizer(backend, spec)

@@ -1,0 +1,174 @@
+"""The router's FastAPI app: OpenAI-compatible routes over one `GenerateBackend`.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics`. Every response carries `X-Request-Id` (the client's, else the response id);
+every error is OpenAI's envelope (see `errors.py`). Behind a routing backend, a generation
+response also carries `X-Pdserve-Route` (each prompt's decision, comma-separated, in prompt
+order) and the routing backend's session header, if configured, pins a session to its workers.
+"""
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.common.ids import RequestId
+from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.router.backend import GenerateBackend, Routing
+from pdserve.router.openai.chat import create_chat_completion
+from pdserve.router.openai.completions import create_completion
+from pdserve.router.openai.errors import ApiError, from_exception, install_error_handlers
+from pdserve.router.openai.logprobs import LogprobFormatter
+from pdserve.router.openai.metrics import RouterMetrics
+from pdserve.router.openai.prompts import PromptTokenizer
+from pdserve.router.openai.responses import ModelCard, ModelList
+from pdserve.router.openai.serving import ApiLimits, ClientGone, ServingContext, new_response_id
+
+STATS_TIMEOUT_S = 5.0
+MAX_REQUEST_ID_CHARS = 256
+ROUTE_HEADER = "X-Pdserve-Route"
+_STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, metrics count it
+_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+_log = logging.getLogger(__name__)
+Handler = Callable[[Request, ServingContext, str], Awaitable[Response]]
+
+
+def create_app(
+    backend: GenerateBackend,
+    tokenizer: PromptTokenizer,
+    info: ModelInfo,
+    model_name: str | None = None,
+    limits: ApiLimits = ApiLimits(),
+    routing: Routing | None = None,
+) -> FastAPI:
+    """An app serving `info`'s model (under `model_name` if given); it closes `backend` on shutdown.
+    `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself)."""
+    ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics(),
+                         LogprobFormatter(tokenizer))
+    if routing is not None:
+        ctx.metrics.registry.register(routing.metrics_collector())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    app.add_middleware(_CountRequests, metrics=ctx.metrics)
+    _add_generation_routes(app, ctx, routing)
+    _add_status_routes(app, ctx)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext, routing: Routing | None) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _answer(request, ctx, routing, create_completion, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _answer(request, ctx, routing, create_chat_completion, "chatcmpl")
+
+
+def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=ctx.model_name, max_model_len=ctx.info.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await _stats(ctx) is None:
+            return ApiError(503, "the generation service is not answering").to_response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(await _stats(ctx)), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _answer(request: Request, ctx: ServingContext, routing: Routing | None, handler: Handler,
+                  id_prefix: str) -> Response:
+    """Run a generation handler; any failure becomes the envelope, with `X-Request-Id` set
+    (and `X-Pdserve-Route` once routed)."""
+    response_id = new_response_id(id_prefix)
+    request_id = request.headers.get("x-request-id") or response_id
+    try:
+        if not _is_header_value_ok(request_id):
+            request_id = response_id
+            raise ApiError(400, f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} printable characters",
+                           "X-Request-Id")
+        response = await handler(request, _for_session(request, ctx, routing), response_id)
+    except ClientGone:
+        response = Response(status_code=_STATUS_CLIENT_CLOSED)
+    except Exception as exc:  # every failure answers with the envelope, never a bare 500
+        error = from_exception(exc)
+        if error.status >= 500:
+            _log.warning("%s failed: %s (%s)", response_id, error.message, type(exc).__name__)
+        response = error.to_response()
+    response.headers["X-Request-Id"] = request_id
+    if routing is not None and (route := _describe_routes(routing, response_id)):
+        response.headers[ROUTE_HEADER] = route
+    return response
+
+
+def _is_header_value_ok(value: str) -> bool:
+    return len(value) <= MAX_REQUEST_ID_CHARS and value.isprintable()
+
+
+def _for_session(request: Request, ctx: ServingContext, routing: Routing | None) -> ServingContext:
+    """`ctx` with its backend bound to the request's session, when routing has sessions."""
+    header = routing.session_header if routing is not None else None
+    session_id = request.headers.get(header) if header else None
+    if routing is None or header is None or not session_id:
+        return ctx
+    if not _is_header_value_ok(session_id):
+        raise ApiError(400, f"{header} must be at most {MAX_REQUEST_ID_CHARS} printable characters", header)
+    return dataclasses.replace(ctx, backend=routing.for_session(session_id))
+
+
+def _describe_routes(routing: Routing, response_id: str) -> str:
+    """Each prompt's routing decision, in prompt order (`generation_requests` numbers them)."""
+    routes = []
+    while (route := routing.describe_route(RequestId(f"{response_id}-{len(routes)}"))) is not None:
+        routes.append(route)
+    return ", ".join(routes)
+
+
+async def _stats(ctx: ServingContext) -> EngineStats | None:
+    """The worker's stats, or None when it does not answer within `STATS_TIMEOUT_S`."""
+    try:
+        return await asyncio.wait_for(ctx.backend.stats(), STATS_TIMEOUT_S)
+    except Exception as exc:  # any failure means "no figures"; /health turns it into 503
+        _log.info("stats query failed: %s", type(exc).__name__)
+        return None
+
+
+class _CountRequests:
+    """Counts every response by route (unknown paths as "other") and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in _ROUTES else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self._metrics.count_request(route, message["status"])
+            await send(message)
+
+        await self._app(scope, receive, counting_send)

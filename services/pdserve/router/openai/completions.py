@@ -1,0 +1,123 @@
+"""`POST /v1/completions`: one backend request per prompt, `n` choices each.
+
+Choice `i` of prompt `p` is answered as choice index `p * n + i`, as OpenAI and vLLM do.
+"""
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pdserve.router.openai.body import parse_body, read_body
+from pdserve.router.openai.logprobs import LogprobFormatter
+from pdserve.router.openai.metrics import RequestTimer
+from pdserve.router.openai.prompts import completion_prompts
+from pdserve.router.openai.protocol import CompletionRequest
+from pdserve.router.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
+from pdserve.router.openai.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_completion_supported
+from pdserve.router.openai.serving import (
+    Event,
+    MaxTokens,
+    ServingContext,
+    UsageCounter,
+    collect,
+    generation_requests,
+    unless_disconnected,
+)
+from pdserve.router.openai.streaming import SseResponse, prefetch, sse_frame
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: CompletionLogprobs | None = None
+    text_offset: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Completion:
+    """One HTTP request's state while its events arrive."""
+
+    ctx: ServingContext
+    body: CompletionRequest
+    response_id: str
+    usage: UsageCounter
+    timer: RequestTimer
+    formatter: LogprobFormatter
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def add(self, event: Event) -> CompletionChoice:
+        """Record one output; returns it as a choice delta (text and logprobs of this step)."""
+        prompt_index, output = event
+        index = prompt_index * self.body.n + output.index
+        self.usage.add(prompt_index, output)
+        self.timer.on_output(index, output)
+        choice = self.choices.setdefault(index, _Choice())
+        choice.text.append(output.text)
+        choice.finish_reason = output.finish_reason
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs, choice.text_offset = self.formatter.completion(
+                output.logprobs, self.body.logprobs, choice.text_offset
+            )
+            choice.logprobs = _extend(choice.logprobs, logprobs)
+        return CompletionChoice(index=index, text=output.text, logprobs=logprobs, finish_reason=output.finish_reason)
+
+    def response(self) -> CompletionResponse:
+        choices = [
+            CompletionChoice(index=i, text="".join(c.text), logprobs=c.logprobs, finish_reason=c.finish_reason)
+            for i, c in sorted(self.choices.items())
+        ]
+        return CompletionResponse(
+            id=self.response_id, model=self.ctx.model_name, choices=choices, usage=self.usage.usage()
+        )
+
+
+def _extend(total: CompletionLogprobs | None, step: CompletionLogprobs) -> CompletionLogprobs:
+    if total is None:
+        return step.model_copy(deep=True)
+    total.tokens += step.tokens
+    total.token_logprobs += step.token_logprobs
+    total.top_logprobs += step.top_logprobs
+    total.text_offset += step.text_offset
+    return total
+
+
+async def create_completion(request: Request, ctx: ServingContext, response_id: str) -> Response:
+    body = parse_body(await read_body(request, ctx.limits.max_body_bytes), CompletionRequest)
+    ctx.check_model(body.model)
+    check_completion_supported(body)
+    info = ctx.info
+    prompts = completion_prompts(body, ctx.tokenizer, info.vocab_size, info.max_model_len)
+    max_tokens = MaxTokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+    requests = generation_requests(ctx, body, prompts, response_id, max_tokens, body.logprobs)
+    state = _Completion(
+        ctx, body, response_id, UsageCounter(prompts), RequestTimer(ctx.metrics), ctx.logprobs
+    )
+    if body.stream:
+        _, events = await unless_disconnected(request, prefetch(ctx.run(requests)))
+        return SseResponse(_stream(state, events))
+    for event in await collect(request, ctx.run(requests)):
+        state.add(event)
+    state.timer.finish()
+    return JSONResponse(state.response().model_dump())
+
+
+async def _stream(state: _Completion, events: AsyncIterator[Event]) -> AsyncGenerator[bytes, None]:
+    options = state.body.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = include_usage and options is not None and options.continuous_usage_stats
+    async for event in events:
+        delta = state.add(event)
+        if not (delta.text or delta.logprobs or delta.finish_reason):
+            continue
+        chunk = CompletionResponse(id=state.response_id, model=state.ctx.model_name, choices=[delta])
+        if continuous:
+            chunk.usage = state.usage.usage()
+        yield sse_frame(chunk)
+    state.timer.finish()
+    if include_usage:
+        yield sse_frame(CompletionResponse(
+            id=state.response_id, model=state.ctx.model_name, choices=[], usage=state.usage.usage()
+        ))

@@ -1,0 +1,82 @@
+"""Turning request bodies into prompt token ids: the router tokenizes once, here.
+
+Completions take a string, a list of token ids, or a batch of either; chat messages are
+rendered with the model's chat template and then encoded without adding special tokens
+(the template already wrote them). Every prompt must leave room for at least one token.
+"""
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdserve.router.openai.errors import bad_request
+from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.sampling import check_token_ids
+
+
+class PromptTokenizer(Protocol):
+    """What the router uses of `pdserve.models.tokenizer.Tokenizer`."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt's token ids and the request field it came from (for error messages)."""
+
+    token_ids: tuple[int, ...]
+    param: str
+
+
+def completion_prompts(
+    body: CompletionRequest, tokenizer: PromptTokenizer, vocab_size: int, max_model_len: int
+) -> list[Prompt]:
+    """One `Prompt` per element of a batch (a single prompt is a batch of one)."""
+    raw = body.prompt
+    if isinstance(raw, str):
+        items: list[str | list[int]] = [raw]
+    elif raw and all(isinstance(token, int) for token in raw):
+        items = [list(raw)]  # type: ignore[arg-type]  # a single prompt of token ids
+    else:
+        items = list(raw)  # type: ignore[arg-type]  # a batch
+    if not items:
+        raise bad_request("'prompt' must not be empty", "prompt")
+    prompts = []
+    for i, item in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            token_ids = tokenizer.encode(item, add_special_tokens=True)
+        else:
+            check_token_ids(item, vocab_size, param)
+            token_ids = item
+        prompts.append(checked_prompt(token_ids, param, max_model_len))
+    return prompts
+
+
+def chat_prompt(body: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int) -> Prompt:
+    """The rendered chat's token ids. A template that rejects the chat raises a 400 on `messages`."""
+    messages: list[dict[str, Any]] = []
+    for message in body.messages:
+        rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.name is not None:
+            rendered["name"] = message.name
+        messages.append(rendered)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+    return checked_prompt(tokenizer.encode(text, add_special_tokens=False), "messages", max_model_len)
+
+
+def checked_prompt(token_ids: Sequence[int], param: str, max_model_len: int) -> Prompt:
+    if not token_ids:
+        raise bad_request(f"'{param}' must contain at least one token", param)
+    if len(token_ids) >= max_model_len:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, but '{param}' has "
+            f"{len(token_ids)} tokens, leaving no room to generate; shorten it",
+            param,
+        )
+    return Prompt(tuple(token_ids), param)

@@ -1,0 +1,142 @@
+"""Checks that need more than JSON types, and the `SamplingParams` / priorities they yield.
+
+Every refusal is a 400 naming the field. Features pdserve does not implement are refused
+rather than silently ignored, so a client never gets output it did not ask for.
+"""
+from pdserve.common.request import PriorityRange, SamplingParams
+from pdserve.router.openai.errors import bad_request
+from pdserve.router.openai.protocol import (
+    MAX_PRIORITY_RANGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingBody,
+)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+def check_supported(body: SamplingBody) -> None:
+    """Refuse values of known fields that would change output in ways pdserve does not implement."""
+    unsupported = {
+        "presence_penalty": body.presence_penalty != 0.0,
+        "frequency_penalty": body.frequency_penalty != 0.0,
+        "repetition_penalty": body.repetition_penalty not in (None, 1.0),
+        "logit_bias": bool(body.logit_bias),
+        "min_tokens": body.min_tokens != 0,
+        "skip_special_tokens": not body.skip_special_tokens,
+        "lora_id": body.lora_id is not None,
+    }
+    for field, is_set in unsupported.items():
+        if is_set:
+            raise bad_request(f"'{field}' is not supported by this server; leave it unset", field)
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request(f"'best_of' ({body.best_of}) must equal 'n' ({body.n})", "best_of")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+
+def check_completion_supported(body: CompletionRequest) -> None:
+    check_supported(body)
+    if body.echo:
+        raise bad_request("'echo' is not supported by this server", "echo")
+    if body.suffix is not None:
+        raise bad_request("'suffix' is not supported by this server", "suffix")
+
+
+def check_chat_supported(body: ChatCompletionRequest) -> None:
+    check_supported(body)
+    if body.tools:
+        raise bad_request("'tools' are not supported by this server", "tools")
+    if body.tool_choice not in (None, "none"):
+        raise bad_request("'tool_choice' is not supported by this server", "tool_choice")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request("only response_format type 'text' is supported", "response_format.type")
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}", "stop")
+    for string in strings:
+        if not string or len(string) > MAX_STOP_CHARS:
+            raise bad_request(f"each stop string must have 1 to {MAX_STOP_CHARS} characters", "stop")
+    return tuple(strings)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    for position, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(
+                f"token id {token_id} at {param}[{position}] is outside the vocabulary [0, {vocab_size})",
+                param,
+            )
+
+
+def resolve_max_tokens(
+    requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int, param: str
+) -> int:
+    """Tokens to generate: `requested`, else `default` capped to the room left, else all the room.
+
+    Raises a 400 naming `param` when `requested` does not fit the context.
+    """
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens} "
+            f"prompt tokens plus {param}={requested} would need {num_prompt_tokens + requested}; "
+            f"reduce the prompt or '{param}'",
+            param,
+        )
+    return requested
+
+
+def sampling_params(
+    body: SamplingBody, max_tokens: int, logprobs: int | None, vocab_size: int
+) -> SamplingParams:
+    """`SamplingParams` for a body already passed through `check_supported`."""
+    stop_token_ids = list(body.stop_token_ids or [])
+    check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),
+        seed=body.seed,
+        stop=stop_strings(body.stop),
+        stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=body.ignore_eos,
+        n=body.n,
+        logprobs=logprobs,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+
+
+def priority_ranges(body: SamplingBody, num_prompt_tokens: int) -> tuple[PriorityRange, ...]:
+    """The body's retention priorities as prompt token ranges, sorted and non-overlapping."""
+    if body.priority is None:
+        return ()
+    if isinstance(body.priority, int):
+        return (PriorityRange(0, num_prompt_tokens, body.priority),)
+    if len(body.priority) > MAX_PRIORITY_RANGES:
+        raise bad_request(f"at most {MAX_PRIORITY_RANGES} priority ranges are allowed", "priority")
+    ranges = []
+    for i, item in enumerate(body.priority):
+        end = num_prompt_tokens if item.end is None else item.end
+        if end > num_prompt_tokens or item.start >= end:
+            raise bad_request(
+                f"priority[{i}] covers tokens [{item.start}, {end}) outside the prompt's "
+                f"{num_prompt_tokens} tokens",
+                f"priority[{i}]",
+            )
+        ranges.append(PriorityRange(item.start, end, item.priority, item.duration_s))
+    ranges.sort(key=lambda r: r.start)
+    for before, after in zip(ranges, ranges[1:]):
+        if after.start < before.end:
+            raise bad_request(f"priority ranges overlap at token {after.start}", "priority")
+    return tuple(ranges)

@@ -1,0 +1,152 @@
+"""What completions and chat share: the serving context, request building, usage, collection."""
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from pdserve.common.ids import RequestId
+from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.common.stats import ModelInfo
+from pdserve.router.backend import GenerateBackend
+from pdserve.router.openai.errors import ApiError, bad_request
+from pdserve.router.openai.logprobs import LogprobFormatter
+from pdserve.router.openai.metrics import RouterMetrics
+from pdserve.router.openai.prompts import Prompt, PromptTokenizer
+from pdserve.router.openai.protocol import SamplingBody
+from pdserve.router.openai.responses import PromptTokensDetails, Usage
+from pdserve.router.openai.runner import StreamTimeouts, run_streams
+from pdserve.router.openai.sampling import priority_ranges, resolve_max_tokens, sampling_params
+
+Event = tuple[int, RequestOutput]  # (prompt index, output)
+T = TypeVar("T")
+_CANCEL_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ApiLimits:
+    """Bounds on what one HTTP request may ask for and how long the router waits for it."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    first_output_timeout_s: float = 600.0  # a long prompt's prefill, queueing included
+    output_timeout_s: float = 120.0  # between two outputs of one prompt
+    max_choices: int = 256  # prompts × n
+
+
+@dataclass(frozen=True, slots=True)
+class ServingContext:
+    backend: GenerateBackend
+    tokenizer: PromptTokenizer
+    info: ModelInfo
+    model_name: str
+    limits: ApiLimits
+    metrics: RouterMetrics
+    logprobs: LogprobFormatter  # shared, so its token-text cache serves every request
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise ApiError(404, f"the model '{requested}' does not exist; this server serves "
+                                f"'{self.model_name}'", "model")
+
+    def run(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Event]:
+        timeouts = StreamTimeouts(self.limits.first_output_timeout_s, self.limits.output_timeout_s)
+        return run_streams(self.backend, requests, timeouts)
+
+
+def new_response_id(prefix: str) -> str:
+    """`<prefix>-<32 hex digits>`, unique across routers (the worker keys requests by it)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True, slots=True)
+class MaxTokens:
+    """The body's requested maximum (None: unset), the default when unset, and its field name."""
+
+    requested: int | None
+    default: int | None
+    param: str
+
+
+def generation_requests(
+    ctx: ServingContext,
+    body: SamplingBody,
+    prompts: Sequence[Prompt],
+    response_id: str,
+    max_tokens: MaxTokens,
+    logprobs: int | None,
+) -> list[GenerationRequest]:
+    """One backend request per prompt, ids `<response_id>-<prompt index>`."""
+    if len(prompts) * body.n > ctx.limits.max_choices:
+        raise bad_request(f"{len(prompts)} prompts × n={body.n} exceeds {ctx.limits.max_choices} choices", "n")
+    requests = []
+    for i, prompt in enumerate(prompts):
+        num_tokens = len(prompt.token_ids)
+        limit = resolve_max_tokens(
+            max_tokens.requested, max_tokens.default, num_tokens, ctx.info.max_model_len, max_tokens.param
+        )
+        requests.append(GenerationRequest(
+            request_id=RequestId(f"{response_id}-{i}"),
+            prompt_token_ids=prompt.token_ids,
+            sampling=sampling_params(body, limit, logprobs, ctx.info.vocab_size),
+            cache_salt=body.cache_salt,
+            priorities=priority_ranges(body, num_tokens),
+        ))
+    return requests
+
+
+class UsageCounter:
+    """Token counts of one HTTP request: each prompt once, every choice's generated tokens."""
+
+    def __init__(self, prompts: Sequence[Prompt]) -> None:
+        self._num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+        self._num_cached = [0] * len(prompts)
+        self.num_completion_tokens = 0
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.num_completion_tokens += len(output.token_ids)
+        self._num_cached[prompt_index] = max(self._num_cached[prompt_index], output.num_cached_tokens)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self._num_prompt_tokens,
+            completion_tokens=self.num_completion_tokens,
+            total_tokens=self._num_prompt_tokens + self.num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self._num_cached)),
+        )
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready; nobody is left to answer."""
+
+
+async def unless_disconnected(request: Request, work: Coroutine[object, object, T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (a run inside it
+    closes its backend streams, so the worker aborts) and `ClientGone` is raised."""
+    worker = asyncio.create_task(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({worker, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not worker.done():
+            worker.cancel()
+            await asyncio.wait({worker}, timeout=_CANCEL_TIMEOUT_S)
+    if worker.cancelled():
+        raise ClientGone()
+    return worker.result()
+
+
+async def collect(request: Request, events: AsyncIterator[Event]) -> list[Event]:
+    """Every event of a run, unless the client disconnects first (see `unless_disconnected`)."""
+
+    async def drain() -> list[Event]:
+        return [event async for event in events]
+
+    return await unless_disconnected(request, drain())
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

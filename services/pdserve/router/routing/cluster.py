@@ -1,0 +1,85 @@
+"""The router's view of its workers: the pool (registration, health, load), the prefix index,
+and one KV event subscriber per worker in rotation, wired together.
+
+A worker coming up gets a subscriber (which syncs its index part from a snapshot); a worker
+going down loses its subscriber and its index entries. A subscriber whose stream breaks
+with UNAVAILABLE takes its worker out of rotation.
+"""
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.common.ids import WorkerId
+from pdserve.common.stats import ModelInfo
+from pdserve.kvcache import HASH_ALGORITHM
+from pdserve.router.routing.grpc_backend import GrpcBackend
+from pdserve.router.routing.kv_events_client import KvEventsClient
+from pdserve.router.routing.kv_subscriber import EventSource, KvEventSubscriber
+from pdserve.router.routing.prefix_index import PrefixIndex
+from pdserve.router.routing.registration import cluster_info
+from pdserve.router.routing.routing_metrics import RoutingCollector, RoutingCounters
+from pdserve.router.routing.worker_pool import PoolConfig, WorkerClient, WorkerHandle, WorkerPool
+
+_STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    addresses: tuple[str, ...]
+    pool: PoolConfig = PoolConfig()
+    rpc_timeout_s: float = 5.0
+    generate_timeout_s: float = 3600.0
+
+
+class Cluster:
+    """`connect` and `events` build each worker's control and event clients (gRPC by default)."""
+
+    def __init__(self, config: ClusterConfig, connect: Callable[[str], WorkerClient] | None = None,
+                 events: Callable[[str], EventSource] | None = None) -> None:
+        self._config = config
+        self.index = PrefixIndex()
+        self.counters = RoutingCounters()
+        self.pool = WorkerPool(config.addresses, connect or self._connect, config.pool, HASH_ALGORITHM)
+        self.pool.listener = self
+        make_events = events or (lambda address: KvEventsClient(address, config.rpc_timeout_s))
+        self._event_sources = {WorkerId(a): make_events(a) for a in config.addresses}
+        self._subscribers: dict[WorkerId, asyncio.Task] = {}
+
+    def _connect(self, address: str) -> GrpcBackend:
+        return GrpcBackend(address, rpc_timeout_s=self._config.rpc_timeout_s,
+                           generate_timeout_s=self._config.generate_timeout_s)
+
+    async def start(self) -> ModelInfo:
+        """Register the workers (see `WorkerPool.start`); the model the cluster serves."""
+        return cluster_info(await self.pool.start())
+
+    def collector(self) -> RoutingCollector:
+        return RoutingCollector(self.counters, self.pool, self.index)
+
+    # ---- PoolListener --------------------------------------------------------------------------
+
+    def worker_up(self, handle: WorkerHandle) -> None:
+        subscriber = KvEventSubscriber(handle.address, self._event_sources[handle.address], self.index,
+                                       self.counters, self.pool.mark_down, self._config.rpc_timeout_s)
+        self._stop_subscriber(handle.address)
+        self._subscribers[handle.address] = asyncio.create_task(subscriber.run(), name=f"kv-{handle.address}")
+
+    def worker_down(self, handle: WorkerHandle) -> None:
+        self._stop_subscriber(handle.address)
+        self.index.remove_worker(handle.address)
+
+    def _stop_subscriber(self, address: WorkerId) -> None:
+        task = self._subscribers.pop(address, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = [task for task in self._subscribers.values() if not task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_STOP_TIMEOUT_S)
+        self._subscribers.clear()
+        await self.pool.close()
+        await asyncio.gather(*(s.close() for s in self._event_sources.values()), return_exceptions=True)
+

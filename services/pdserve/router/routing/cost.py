@@ -1,0 +1,72 @@
+"""The routing cost of sending one request to one worker, in KV blocks.
+
+    credit          = device_credit·overlap_device + host_credit·overlap_host + disk_credit·overlap_disk
+    new_blocks      = max(prompt_blocks − credit, 0)           blocks the worker must compute or receive
+    prefill cost    = prefill_load_scale · (queued_prefill_tokens / tokens_per_block + new_blocks)
+                      + active_blocks
+    decode cost     = active_blocks + new_blocks                (its prompt is prefilled elsewhere)
+
+Unlike Dynamo's KV router, the credit only offsets this request's own blocks: a worker's
+cached prefix never makes the prefill work already queued on it disappear. Loads count what
+the worker last reported plus what this router dispatched to it since (see `WorkerPool.load`).
+A lower cost is better.
+"""
+import math
+from dataclasses import dataclass
+
+from pdserve.common.errors import ConfigError
+from pdserve.router.routing.prefix_index import Overlap
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    """Credit per block held in each tier (1.0: as good as computing nothing) and the weight
+    of prefill work against blocks held by running requests."""
+
+    prefill_load_scale: float = 1.0
+    device_credit: float = 1.0
+    host_credit: float = 0.75
+    disk_credit: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.prefill_load_scale < 0:
+            raise ConfigError("prefill_load_scale", self.prefill_load_scale, "must be >= 0")
+        for name in ("device_credit", "host_credit", "disk_credit"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(name, value, "must be in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    num_requests: int  # running + waiting
+    num_active_blocks: int  # KV blocks held by those requests
+    num_prefill_tokens: int  # prompt tokens still to prefill
+
+
+def num_prompt_blocks(num_prompt_tokens: int, tokens_per_block: int) -> int:
+    """Blocks a prompt occupies, the last one possibly partial."""
+    return math.ceil(num_prompt_tokens / tokens_per_block)
+
+
+def credit(overlap: Overlap, weights: CostWeights) -> float:
+    return (weights.device_credit * overlap.num_device + weights.host_credit * overlap.num_host
+            + weights.disk_credit * overlap.num_disk)
+
+
+def new_blocks(prompt_blocks: int, overlap: Overlap, weights: CostWeights) -> float:
+    """Blocks of the prompt the worker would compute (or receive), after credit for what it holds."""
+    return max(prompt_blocks - credit(overlap, weights), 0.0)
+
+
+def prefill_cost(prompt_blocks: int, overlap: Overlap, load: WorkerLoad, tokens_per_block: int,
+                 weights: CostWeights) -> float:
+    """Cost on a worker that prefills the prompt itself (a prefill worker, or an aggregated one)."""
+    queued = load.num_prefill_tokens / tokens_per_block
+    return weights.prefill_load_scale * (queued + new_blocks(prompt_blocks, overlap, weights)) + load.num_active_blocks
+
+
+def decode_cost(prompt_blocks: int, overlap: Overlap, load: WorkerLoad, weights: CostWeights) -> float:
+    """Cost on a decode worker whose prompt a prefill worker computes: the blocks it holds are
+    reused locally; the rest it allocates and receives."""
+    return load.num_active_blocks + new_blocks(prompt_blocks, overlap, weights)

@@ -1,0 +1,219 @@
+"""The router's workers: registration, health and load.
+
+Registration is the router dialling each configured address: `GetInfo` gives the role and the
+block-key parameters, checked by `registration.py`. Then each worker's stats are polled every
+`poll_interval_s`. Contracts:
+- a worker is *up* (in rotation) from a successful registration until `failure_threshold`
+  polls in a row fail or `mark_down` is called (its stream broke); the listener hears both;
+- a down worker is polled on; once it answers, it registers again (its info is re-checked:
+  it may have restarted with other settings) and comes back up;
+- `load` is the worker's last report corrected by this router's own dispatches (`worker_load.py`).
+"""
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve.common.errors import ConfigError, PdserveError, WorkerUnavailableError
+from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
+from pdserve.router.routing.cost import WorkerLoad
+from pdserve.router.routing.registration import DECODE_ROLES, check_all, check_worker
+from pdserve.router.routing.worker_load import Dispatch, LoadBook
+
+log = logging.getLogger(__name__)
+_RETRY_S = 0.5
+
+
+class WorkerClient(Protocol):
+    """One worker's control calls (`GrpcBackend`); each bounded in time."""
+
+    def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: RequestId) -> None: ...
+
+    async def stats(self) -> EngineStats: ...
+
+    async def info(self) -> ModelInfo: ...
+
+    async def close(self) -> None: ...
+
+
+class PoolListener(Protocol):
+    def worker_up(self, handle: "WorkerHandle") -> None: ...
+
+    def worker_down(self, handle: "WorkerHandle") -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    poll_interval_s: float = 0.5
+    failure_threshold: int = 3
+    wait_timeout_s: float = 60.0  # for the workers to answer at start
+
+
+@dataclass(slots=True, eq=False)
+class WorkerHandle:
+    address: WorkerId
+    client: WorkerClient
+    info: ModelInfo | None = None  # last registration; None before the first
+    is_up: bool = False
+    num_failures: int = 0
+    refusal: str | None = None  # why an answering worker is kept out
+    book: LoadBook = field(default_factory=LoadBook)
+
+    @property
+    def role(self) -> WorkerRole | None:
+        return None if self.info is None else self.info.role
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The worker's last load report."""
+        return self.book.report
+
+
+class WorkerPool:
+    def __init__(self, addresses: Sequence[str], connect: Callable[[str], WorkerClient], config: PoolConfig,
+                 hash_algorithm: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.handles = {WorkerId(a): WorkerHandle(WorkerId(a), connect(a)) for a in addresses}
+        self.listener: PoolListener | None = None
+        self._config = config
+        self._hash_algorithm = hash_algorithm
+        self._clock = clock
+        self._reference: tuple[WorkerId, ModelInfo] | None = None
+        self._watchers: list[asyncio.Task] = []
+
+    # ---- start and stop ------------------------------------------------------------------------
+
+    async def start(self) -> dict[WorkerId, ModelInfo]:
+        """Register every worker that answers within `wait_timeout_s`, bring them up, start polling.
+
+        Raises ConfigError naming the worker and field of a mismatch, and WorkerUnavailableError
+        if no decode-capable worker answered. Returns the registered workers' infos."""
+        deadline = self._clock() + self._config.wait_timeout_s
+        while missing := [h for h in self.handles.values() if h.info is None]:
+            await asyncio.gather(*(self._ask_info(h) for h in missing))
+            if self._clock() + _RETRY_S > deadline:
+                break
+            if any(h.info is None for h in missing):
+                await asyncio.sleep(_RETRY_S)
+        infos = {h.address: h.info for h in self.handles.values() if h.info is not None}
+        check_all(infos, self._hash_algorithm)
+        if not any(i.role in DECODE_ROLES for i in infos.values()):
+            raise WorkerUnavailableError(",".join(self.handles), f"no decode or aggregated worker answered "
+                                         f"within {self._config.wait_timeout_s:g} s")
+        self._reference = min(infos.items())
+        for handle in self.handles.values():
+            if handle.info is None:
+                log.warning("worker %s did not answer at start; it joins when it does", handle.address)
+            else:
+                self._bring_up(handle)
+        await asyncio.gather(*(self.poll(h) for h in self.handles.values() if h.is_up))  # first loads
+        self._watchers = [asyncio.create_task(self._watch(h), name=f"watch-{h.address}")
+                          for h in self.handles.values()]
+        return infos
+
+    async def close(self) -> None:
+        running = [task for task in self._watchers if not task.done()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.gather(*(h.client.close() for h in self.handles.values()), return_exceptions=True)
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    def up(self, roles: Collection[WorkerRole], exclude: Collection[WorkerId] = ()) -> list[WorkerHandle]:
+        return [h for h in self.handles.values() if h.is_up and h.role in roles and h.address not in exclude]
+
+    @property
+    def has_prefill_workers(self) -> bool:
+        """Whether any worker registered as a prefill worker (up or not)."""
+        return any(h.role == WorkerRole.PREFILL for h in self.handles.values())
+
+    def load(self, handle: WorkerHandle) -> WorkerLoad:
+        return handle.book.load()
+
+    # ---- dispatch bookkeeping (see worker_load.py) ---------------------------------------------
+
+    def dispatch(self, handle: WorkerHandle, num_prefill_tokens: int, num_blocks: int) -> Dispatch:
+        return handle.book.dispatch(self._clock(), num_prefill_tokens, num_blocks)
+
+    def prefill_done(self, handle: WorkerHandle, entry: Dispatch) -> None:
+        handle.book.prefill_done(entry, self._clock())
+
+    def finish(self, handle: WorkerHandle, entry: Dispatch) -> None:
+        handle.book.finish(entry, self._clock())
+
+    # ---- health --------------------------------------------------------------------------------
+
+    def mark_down(self, address: WorkerId, reason: str) -> None:
+        """Take the worker out of rotation now (a stream to it broke with UNAVAILABLE)."""
+        handle = self.handles[address]
+        if not handle.is_up:
+            return
+        handle.is_up = False
+        handle.book.clear()
+        log.warning("worker %s out of rotation: %s", address, reason)
+        if self.listener is not None:
+            self.listener.worker_down(handle)
+
+    async def poll(self, handle: WorkerHandle) -> None:
+        """One stats query; a failure counts towards `failure_threshold`, a success after
+        being down re-registers the worker."""
+        asked_at = self._clock()
+        try:
+            stats = await handle.client.stats()
+        except PdserveError as exc:
+            handle.num_failures += 1
+            if handle.num_failures >= self._config.failure_threshold:
+                self.mark_down(handle.address, f"{handle.num_failures} stats queries failed: {exc}")
+            return
+        handle.book.record_report(stats, asked_at)
+        handle.num_failures = 0
+        if not handle.is_up:
+            await self._rejoin(handle)
+
+    async def probe(self, address: WorkerId) -> bool:
+        """One stats query now (a request to the worker just failed); a failure takes the
+        worker out of rotation at once. True if the worker is up afterwards."""
+        handle = self.handles[address]
+        asked_at = self._clock()
+        try:
+            stats = await handle.client.stats()
+        except PdserveError as exc:
+            self.mark_down(address, f"a request failed and so did a stats query: {exc}")
+            return False
+        handle.book.record_report(stats, asked_at)
+        return handle.is_up
+
+    async def _watch(self, handle: WorkerHandle) -> None:
+        while True:
+            await asyncio.sleep(self._config.poll_interval_s)
+            await self.poll(handle)
+
+    async def _ask_info(self, handle: WorkerHandle) -> None:
+        try:
+            handle.info = await handle.client.info()
+        except PdserveError as exc:
+            log.debug("worker %s: no info yet: %s", handle.address, exc)
+
+    async def _rejoin(self, handle: WorkerHandle) -> None:
+        try:
+            info = await handle.client.info()
+            check_worker(handle.address, info, self._hash_algorithm, self._reference)
+        except PdserveError as exc:
+            if isinstance(exc, ConfigError) and str(exc) != handle.refusal:
+                handle.refusal = str(exc)
+                log.error("worker %s refused: %s", handle.address, exc)
+            return
+        handle.info = info
+        self._bring_up(handle)
+
+    def _bring_up(self, handle: WorkerHandle) -> None:
+        handle.is_up, handle.num_failures, handle.refusal = True, 0, None
+        log.info("worker %s (%s) in rotation", handle.address, handle.role)
+        if self.listener is not None:
+            self.listener.worker_up(handle)

@@ -1,0 +1,115 @@
+"""`pdserve serve`: the router and its workers (prefill + decode, or role both), as processes.
+
+Starts every worker at once and waits (bounded) for each one's gRPC health, starts the router
+with one `--worker` per worker and waits for its HTTP `/health`, prints the URL, the topology
+and a curl line, then watches them all. Ctrl-C or SIGTERM stops every process (router first);
+a child that dies stops the others and makes `serve` exit 1 with one line.
+"""
+import json
+import shlex
+import sys
+import urllib.error
+import urllib.request
+
+from pdserve.common.errors import ConfigError
+from pdserve.serve.settings import ServeSettings, resolve_serve_settings
+from pdserve.common.settings import WorkerSettings, child_environ, to_argv
+from pdserve.common.stats import WorkerRole
+from pdserve.rpc.probe import is_worker_serving
+from pdserve.serve.supervisor import ChildFailedError, ChildSpec, StopRequested, Supervisor
+
+PROBE_TIMEOUT_S = 1.0
+EXAMPLE_PROMPT = "The capital of France is"
+COMMAND = (sys.executable, "-m", "pdserve.cli")
+
+
+def base_url(settings: ServeSettings) -> str:
+    host = settings.router.host
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{settings.router.port}"
+
+
+def is_http_healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=PROBE_TIMEOUT_S) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def worker_name(worker: WorkerSettings) -> str:
+    """e.g. "decode worker at 127.0.0.1:50052"; a role=both worker is just "worker"."""
+    role = "" if worker.role == WorkerRole.BOTH else f"{worker.role} "
+    return f"{role}worker at {worker.address}"
+
+
+def worker_spec(worker: WorkerSettings) -> ChildSpec:
+    address = worker.address
+    return ChildSpec(worker_name(worker), (*COMMAND, "worker", *to_argv(worker)),
+                     lambda: is_worker_serving(address, PROBE_TIMEOUT_S),
+                     child_environ())  # the worker sets its own CPU runtime defaults
+
+
+def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
+    """The workers (started together), then the router: each run as `python -m pdserve.cli
+    <kind> <flags>` with every setting as a flag, so the child resolves what this process did."""
+    url = base_url(settings)
+    router = ChildSpec("router", (*COMMAND, "router", *to_argv(settings.router)),
+                       lambda: is_http_healthy(url), child_environ())
+    return [[worker_spec(worker) for worker in settings.workers], [router]]
+
+
+def topology_lines(settings: ServeSettings) -> list[str]:
+    lines = [f"  router   {base_url(settings)}"]
+    for worker in settings.workers:
+        port = worker.metrics_port
+        metrics = "" if port is None else f"  metrics port {port}" if port else "  metrics on a free port"
+        lines.append(f"  {worker.role:<8} {worker.address}{metrics}")
+    threads = {worker.num_threads for worker in settings.workers}.pop()
+    shown = "torch's default" if threads is None else str(threads)
+    lines.append(f"  torch threads per worker: {shown} (--num-threads sets it)")
+    return lines
+
+
+def ready_banner(settings: ServeSettings) -> str:
+    url = base_url(settings)
+    model = settings.workers[0].model_name
+    body = json.dumps({"model": model, "prompt": EXAMPLE_PROMPT, "max_tokens": 16})
+    curl = (f"curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(body)}")
+    return "\n".join([f"pdserve is ready at {url} (model {model}); Ctrl-C stops it.",
+                      "Topology:", *topology_lines(settings), "Try:", f"  {curl}"])
+
+
+def run(stages: list[list[ChildSpec]], banner: str, supervisor: Supervisor) -> int:
+    """Start each stage's children together, stage after stage, print `banner`, watch, and
+    always stop every child. Returns the exit status: 0 after a stop signal, 1 after a child failed."""
+    try:
+        for stage in stages:
+            supervisor.start_group(stage)
+        print(banner, flush=True)
+        supervisor.watch()
+    except StopRequested:
+        return 0
+    except ChildFailedError as exc:
+        print(f"pdserve serve: {exc}; stopping", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        supervisor.stop_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = resolve_serve_settings(argv)
+    except ConfigError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return 2
+    supervisor = Supervisor(settings.startup_timeout_s, settings.shutdown_timeout_s)
+    supervisor.install_signal_handlers()
+    roles = ", ".join(str(worker.role) for worker in settings.workers)
+    print(f"pdserve serve: starting workers ({roles}), then the router; model loading takes a while",
+          flush=True)
+    return run(child_stages(settings), ready_banner(settings), supervisor)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

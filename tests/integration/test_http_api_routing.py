@@ -14,8 +14,8 @@ from pdserve.router.routing.cluster import Cluster, ClusterConfig
 from pdserve.router.routing.planner import Planner, RoutingConfig
 from pdserve.router.routing.routed_backend import RoutedBackend
 from pdserve.router.routing.worker_pool import PoolConfig
-from tests.unit.router.cluster_fakes import TPB, FakeWorker, info
-from tests.unit.router.test_routed_backend import NoEvents
+from tests.unit.router.routing.cluster_fakes import TPB, FakeWorker, info
+from tests.unit.router.routing.test_routed_backend import NoEvents
 
 pytestmark = pytest.mark.integration
 WORKERS = ("a:1", "b:2")

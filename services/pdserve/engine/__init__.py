@@ -1,1 +1,1 @@
-"""Model forward over the paged KV cache, scheduler and sampler (torch)."""
+"""The worker-side engine: scheduling core (core/), model math (model/), checkpoint loading (loading/)."""

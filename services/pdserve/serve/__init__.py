@@ -1,1 +1,1 @@
-"""pdserve.serve"""
+"""`pdserve serve`: its settings, the launcher and the supervisor of the router and worker processes."""

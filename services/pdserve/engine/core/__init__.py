@@ -1,1 +1,1 @@
-"""pdserve.engine.core"""
+"""The scheduling core: what runs each step (scheduler, sequences, stopping, detokenizing) and the step loop."""

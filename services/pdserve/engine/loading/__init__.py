@@ -1,1 +1,1 @@
-"""pdserve.engine.loading"""
+"""Checkpoints: model config, safetensors and GGUF weights, dequantization, the GGUF conversion cache."""

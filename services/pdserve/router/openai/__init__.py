@@ -1,1 +1,1 @@
-"""pdserve.router.openai"""
+"""The OpenAI-compatible HTTP API: it knows requests and responses, not workers (those are behind router.backend)."""

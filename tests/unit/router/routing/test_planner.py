@@ -10,7 +10,7 @@ from pdserve.common.stats import WorkerRole
 from pdserve.kvcache import BlockStored, Tier, hash_request_blocks
 from pdserve.router.routing.planner import Leg, Planner, RouteDecision, RoutingConfig
 from pdserve.router.routing.prefix_index import Overlap, PrefixIndex
-from tests.unit.router.cluster_fakes import TPB, FakeWorker, info, make_pool, stats
+from tests.unit.router.routing.cluster_fakes import TPB, FakeWorker, info, make_pool, stats
 
 PROMPT = list(range(200, 241))  # 41 tokens: 11 blocks, 10 full ones before the last token
 KEYS = hash_request_blocks(PROMPT[:40], TPB)

@@ -1,6 +1,4 @@
-"""Fixtures shared by the common/ tests: the bundled SmolLM2 GGUF and its tokenizers."""
-import os
-
+"""Fixtures every test folder may use: the bundled SmolLM2 GGUF and its tokenizer."""
 import pytest
 
 from pdserve.common.model_source import default_model_path
@@ -16,13 +14,3 @@ def smollm_gguf_path() -> str:
 def smollm_tokenizer(smollm_gguf_path) -> Tokenizer:
     """Ours, converted from the GGUF metadata (no cache: the conversion itself is under test)."""
     return load_tokenizer(smollm_gguf_path)
-
-
-@pytest.fixture(scope="session")
-def hf_gguf_tokenizer(smollm_gguf_path):
-    """transformers' own tokenizer for the same GGUF file (the reference)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        os.path.dirname(smollm_gguf_path), gguf_file=os.path.basename(smollm_gguf_path)
-    )

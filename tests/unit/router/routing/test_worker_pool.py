@@ -9,7 +9,7 @@ from pdserve.common.ids import WorkerId
 from pdserve.common.stats import WorkerRole
 from pdserve.router.routing.cost import WorkerLoad
 from pdserve.router.routing.registration import check_all, cluster_info
-from tests.unit.router.cluster_fakes import FakeClock, FakeWorker, RecordingListener, info, make_pool, stats
+from tests.unit.router.routing.cluster_fakes import FakeClock, FakeWorker, RecordingListener, info, make_pool, stats
 
 A, B, C = WorkerId("a:1"), WorkerId("b:2"), WorkerId("c:3")
 

@@ -17,7 +17,7 @@ from pdserve.router.routing.planner import Planner, RoutingConfig
 from pdserve.router.routing.routed_backend import RoutedBackend, prompt_block_keys
 from pdserve.router.routing.worker_pool import PoolConfig
 from pdserve.kvcache import hash_request_blocks
-from tests.unit.router.cluster_fakes import TPB, FakeWorker, info, stats
+from tests.unit.router.routing.cluster_fakes import TPB, FakeWorker, info, stats
 
 PROMPT = tuple(range(300, 318))  # 18 tokens: 5 blocks, 4 full before the last token
 

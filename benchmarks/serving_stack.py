@@ -89,7 +89,7 @@ class ServingStack:
 
     def __exit__(self, *exc_info: object) -> None:
         for process in reversed(self._processes):  # the router first, then its workers
-            _stop(process)
+            stop_process(process)
         for log in self._logs:
             log.close()
 
@@ -128,7 +128,21 @@ def _tail(path: str, num_chars: int = 3000) -> str:
     return Path(path).read_text(errors="replace")[-num_chars:]
 
 
-def _stop(process: subprocess.Popen) -> None:
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, their children, ...)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children = [int(c) for c in task.read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGINT, then kill after STOP_TIMEOUT_S."""
     if process.poll() is not None:
         return
     process.send_signal(signal.SIGINT)

@@ -18,7 +18,6 @@ import os
 import platform
 import resource
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -27,9 +26,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from serving_stack import descendants, stop_process
+
 CHILD_TIMEOUT_S = 300
 SERVE_READY_TIMEOUT_S = 180
-SERVE_STOP_TIMEOUT_S = 30
 
 
 def peak_rss_mib() -> float:
@@ -105,13 +105,6 @@ def vm_hwm_mib(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
-def child_pids(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
 def measure_serve(args: argparse.Namespace, cache_dir: str) -> dict:
     """`pdserve serve` until its banner, one completion, peak RSS; then stop it."""
     port, worker_port = free_port(), free_port()
@@ -123,15 +116,10 @@ def measure_serve(args: argparse.Namespace, cache_dir: str) -> dict:
     try:
         ready_s = _wait_for_banner(serve, start)
         answer_s = _one_completion(port) if ready_s is not None else None
-        processes = [serve.pid, *child_pids(serve.pid)]
+        processes = [serve.pid, *descendants(serve.pid)]
         peaks = {pid: vm_hwm_mib(pid) for pid in processes}
     finally:
-        serve.send_signal(signal.SIGINT)
-        try:
-            serve.wait(SERVE_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait(SERVE_STOP_TIMEOUT_S)
+        stop_process(serve)
     return {"ready_s": ready_s, "first_completion_s": answer_s,
             "peak_rss_mib_per_process": list(peaks.values()), "peak_rss_mib_sum": sum(peaks.values())}
 

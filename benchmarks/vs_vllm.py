@@ -19,7 +19,6 @@ over the launcher and its children. Nothing is asserted.
 """
 import argparse
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from pdserve.common.model_source import default_model_path
 
 from serving_load import Workload, ratio, run_online
-from serving_stack import COMMAND, READY_TIMEOUT_S, STOP_TIMEOUT_S, free_port, vm_hwm_mib, work_dir
+from serving_stack import COMMAND, READY_TIMEOUT_S, descendants, free_port, stop_process, vm_hwm_mib, work_dir
 
 TOPOLOGIES = {"pdserve-agg": ["--aggregated"], "pdserve-disagg": []}
 COMPARED = ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms")
@@ -59,14 +58,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in task.read_text().split():
-            found += [int(child), *_children(int(child))]
-    return found
-
-
 def _is_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/v1/models", timeout=2.0) as response:
@@ -92,15 +83,10 @@ def measure_topology(name: str, flags: list[str], model: str, runs: list[Workloa
                 time.sleep(0.2)
             ready_s = time.monotonic() - started
             rows = [run_online(name, w, url, model, None, out_dir) for w in runs]
-            rss = sum(vm_hwm_mib(pid) or 0.0 for pid in [process.pid, *_children(process.pid)])
+            rss = sum(vm_hwm_mib(pid) or 0.0 for pid in [process.pid, *descendants(process.pid)])
             return [{"system": name, "workload": "startup", "ready_s": ready_s, "peak_rss_mib_all": rss}, *rows]
         finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process)
 
 
 def ratios(rows: list[dict], label: str) -> dict[str, float | None]:

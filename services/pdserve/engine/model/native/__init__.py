@@ -24,6 +24,8 @@ from types import ModuleType
 
 import torch
 
+from pdserve.common.settings import default_cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("model.cpp", "attention.h", "prefill_attention.h", "elementwise.h", "gemm.h", "vec.h")
@@ -41,7 +43,7 @@ def load_native(cache_dir: str | None) -> ModuleType | None:
     the build fails (the caller then runs the torch path, and the reason is logged)."""
     if not is_supported():
         return None
-    build_dir = Path(cache_dir or _default_cache_dir()) / "kernels" / _cache_key()
+    build_dir = Path(cache_dir or default_cache_dir()) / "kernels" / _cache_key()
     key = str(build_dir)
     if key not in _loaded:
         _loaded[key] = _build(build_dir)
@@ -88,10 +90,6 @@ def _cpu_signature() -> str:
         return ""
     lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(lines)))
-
-
-def _default_cache_dir() -> str:
-    return str(Path.home() / ".cache" / "pdserve")
 
 
 @contextmanager

@@ -14,10 +14,11 @@ import time
 
 import torch
 
-from pdserve.engine.model.batch import ForwardBatch, SeqChunk
-from pdserve.engine.model.kv_tensor import PagedKvCache, allocate_kv_tensor
-from pdserve.engine.model.decoder import CausalLM
 from pdserve.engine.loading.model_config import ModelConfig
+from pdserve.engine.model.batch import ForwardBatch, SeqChunk
+from pdserve.engine.model.decoder import CausalLM
+from pdserve.engine.model.kv_tensor import PagedKvCache, allocate_kv_tensor
+from pdserve.engine.model.native_forward import KERNEL_CHOICES, build_native
 from pdserve.engine.model.runner import ModelRunner
 
 
@@ -30,6 +31,8 @@ def parse_args() -> argparse.Namespace:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
+                   help="native CPU kernels (auto: where they run) or torch ops")
     p.add_argument("--json", default=None, help="also write the JSON here")
     return p.parse_args()
 
@@ -57,7 +60,8 @@ def random_runner(args: argparse.Namespace) -> ModelRunner:
     num_blocks = args.seqs * -(-max_len // args.tokens_per_block)
     storage = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dtype
     cache = PagedKvCache(allocate_kv_tensor(config, num_blocks, args.tokens_per_block, storage), dtype)
-    return ModelRunner(CausalLM(config, tensors, device), cache, dtype, device)
+    model = CausalLM(config, tensors, device)
+    return ModelRunner(model, cache, dtype, device, build_native(model, cache, args.kernels, None))
 
 
 def block_tables(args: argparse.Namespace) -> list[tuple[int, ...]]:
@@ -117,6 +121,7 @@ def main() -> None:
             "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
             "params_m": round(sum(p.numel() for p in _weights(runner)) / 1e6, 1),
             "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(),
+            "kernels": "native" if runner.native is not None else "torch",
             "seqs": args.seqs, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
             "tokens_per_block": args.tokens_per_block, "prefill_budget": args.prefill_budget,
         },

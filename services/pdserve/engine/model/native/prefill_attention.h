@@ -1,6 +1,6 @@
 // Attention for tiles of many query tokens in bf16, as small matrix products on AVX512-BF16:
-// per KV head and chunk of 16 keys, K and V are packed once into bf16 pairs (K by head
-// dimension, V by key), then each query row costs hd/2 dot-product instructions for its 16
+// per KV head and chunk of 16 keys, K and V are packed once per query tile into bf16 pairs
+// (K by head dimension, V by key), then each query row costs hd/2 dot-product instructions for its 16
 // scores and 8 * hd/16 for its output, shared by the query heads of the group. Probabilities
 // go through bf16 for P.V, as in torch's flash attention on bf16 inputs.
 #pragma once
@@ -18,20 +18,19 @@ template <int CH>
 struct Bf16TileAttention {
   static constexpr int64_t HD = CH * 16;
   static constexpr int64_t kKeys = 16;  // keys per chunk: one vector of scores
-  const bf16* kv;
+  const bf16* kv;  // the KV tensor shifted to this layer's K: block b's K rows at kv + b * block_stride
   int64_t key_stride, kind_stride;
   float scale;
   int64_t window;
-  // Per tile: rows (token-major: row = token * G + head in group) of one KV head.
+  int64_t block_stride;
   std::vector<uint32_t> kp, vp;  // (HD/2, 16) K pairs by dimension; (8, HD) V pairs by key
-  std::vector<float> acc, m, l;
+  std::vector<float> acc, m, l;  // per row of the tile: output sums, running max, running sum
 
-  // queries: rows of the tile for this KV head; row r's vector at q_rows[r]; positions[r].
-  // kv: the KV tensor shifted to this layer's K (block `b`'s K rows at kv + b * block_stride).
   Bf16TileAttention(const bf16* layer_kv, int64_t block_stride_, int64_t key_stride_, int64_t kind_stride_,
                     float scale_, int64_t window_)
       : kv(layer_kv), key_stride(key_stride_), kind_stride(kind_stride_), scale(scale_), window(window_),
         block_stride(block_stride_) {}
+
 
   // Rows of one KV head: row r's query vector at q_rows[r], its position positions[r]; keys
   // first_key..last_key through `table`. Writes float outputs (rows, HD) to out_rows.
@@ -104,7 +103,6 @@ struct Bf16TileAttention {
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(o + 16 * c, out[c]);
   }
 
-  int64_t block_stride;
 };
 
 }  // namespace pdserve

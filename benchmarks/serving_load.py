@@ -18,7 +18,7 @@ from pdserve.bench.options import parse_config
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
 from pdserve.models.tokenizer import Tokenizer
-from pdserve.router.routing.grpc_backend import GrpcBackend
+from pdserve.rpc.worker_client import GrpcBackend
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
-from pdserve.router.routing.grpc_backend import GrpcBackend
+from pdserve.rpc.worker_client import GrpcBackend
 from tests.integration.stack import free_port, make_tiny_checkpoint, metric, start, stop, wait_for_worker
 
 pytestmark = pytest.mark.integration

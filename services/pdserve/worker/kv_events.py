@@ -1,4 +1,4 @@
-"""The worker's KvEvents service: its KV cache events, streamed to routers, and snapshots.
+"""The worker's KV cache events, streamed to routers (`rpc.kv_events_service`), and snapshots.
 
 Events leave the engine thread through `ThreadedEngine.add_kv_event_listener` and reach the
 event loop with `call_soon_threadsafe`; each subscriber has a bounded queue of batches. A
@@ -9,21 +9,19 @@ Consistency contract: a subscriber registered before a snapshot was taken receiv
 event with `seq >= snapshot.next_seq`; the snapshot runs on the engine thread between steps.
 """
 import asyncio
-import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from pdserve.kvcache import KvCacheManager, KvEvent
 from pdserve.rpc import kv_events as convert
-from pdserve.rpc.gen import kv_events_pb2 as pb
-from pdserve.rpc.gen import kv_events_pb2_grpc
+from pdserve.rpc.kv_events_service import SubscriberOverflow, add_kv_events_service
 from pdserve.worker.async_engine import ThreadedEngine
 
-log = logging.getLogger(__name__)
+Batch = tuple[str, Sequence[KvEvent]]  # (epoch, events)
+
 MAX_QUEUED_BATCHES = 1024
 SNAPSHOT_TIMEOUT_S = 30.0
 
@@ -32,10 +30,10 @@ SNAPSHOT_TIMEOUT_S = 30.0
 class _Subscriber:
     """A bounded queue of batches; None, queued alone, marks a subscriber that fell behind."""
 
-    queue: asyncio.Queue[pb.KvEventBatch | None]
+    queue: asyncio.Queue[Batch | None]
     is_overflowed: bool = False
 
-    def offer(self, batch: pb.KvEventBatch) -> None:
+    def offer(self, batch: Batch) -> None:
         if self.is_overflowed:
             return
         if self.queue.full():
@@ -68,18 +66,18 @@ class KvEventPublisher:
             pass
 
     def _fan_out(self, events: list[KvEvent]) -> None:
-        batch = convert.batch_to_proto(self.epoch, events)
+        batch = (self.epoch, events)
         for subscriber in self._subscribers:
             subscriber.offer(batch)
 
-    async def subscribe(self, stopping: asyncio.Event) -> AsyncIterator[pb.KvEventBatch]:
+    async def subscribe(self, stopping: asyncio.Event) -> AsyncIterator[Batch]:
         """An empty batch at once (the subscription is live), then every batch published.
 
         Ends when `stopping` is set; raises `SubscriberOverflow` if the consumer fell behind."""
         subscriber = _Subscriber(asyncio.Queue(self._max_queued))
         self._subscribers.add(subscriber)
         try:
-            yield pb.KvEventBatch(epoch=self.epoch)
+            yield self.epoch, ()
             while (batch := await _next_unless_stopping(subscriber.queue, stopping)) is not _STOPPING:
                 if batch is None:
                     raise SubscriberOverflow(self._max_queued)
@@ -90,11 +88,6 @@ class KvEventPublisher:
     async def snapshot(self) -> convert.KvSnapshot:
         return await self._engine.call(_take_snapshot, self._engine.engine.kv, self.epoch,
                                        timeout_s=SNAPSHOT_TIMEOUT_S)
-
-
-class SubscriberOverflow(Exception):
-    def __init__(self, max_queued: int) -> None:
-        super().__init__(f"subscriber fell {max_queued} event batches behind; subscribe again and resync")
 
 
 def _take_snapshot(kv: KvCacheManager, epoch: str) -> convert.KvSnapshot:
@@ -125,28 +118,7 @@ async def _next_unless_stopping(queue: asyncio.Queue, stopping: asyncio.Event) -
     return getter.result() if getter.done() and not getter.cancelled() else _STOPPING
 
 
-class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
-    """Serves a publisher; every Subscribe stream ends (UNAVAILABLE) once `stopping` is set."""
-
-    def __init__(self, publisher: KvEventPublisher, stopping: asyncio.Event) -> None:
-        self._publisher = publisher
-        self._stopping = stopping
-
-    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> None:
-        try:
-            async with aclosing(self._publisher.subscribe(self._stopping)) as batches:
-                async for batch in batches:
-                    await context.write(batch)
-        except SubscriberOverflow as exc:
-            log.warning("dropped a KV event subscriber: %s", exc)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is stopping")
-
-    async def Snapshot(self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext) -> pb.SnapshotResponse:
-        return convert.snapshot_to_proto(await self._publisher.snapshot())
-
-
 def kv_events_service(engine: ThreadedEngine, stopping: asyncio.Event) -> Callable[[grpc.aio.Server], None]:
     """The `WorkerServer` service hook adding KvEvents for `engine` (call inside the event loop)."""
-    servicer = KvEventsServicer(KvEventPublisher(engine), stopping)
-    return lambda server: kv_events_pb2_grpc.add_KvEventsServicer_to_server(servicer, server)
+    publisher = KvEventPublisher(engine)
+    return lambda server: add_kv_events_service(server, publisher, stopping)

@@ -6,35 +6,26 @@ request re-handshakes with whatever now answers at that address (it may have res
 import asyncio
 import logging
 
-import grpc
-
 from pdserve.common.disagg import PrefillOrder, PrefillResult
 from pdserve.common.errors import PdserveError
 from pdserve.common.ids import WorkerId
-from pdserve.rpc import kv_transfer as convert
-from pdserve.rpc.gen import kv_transfer_pb2_grpc
-from pdserve.rpc.status import error_from_rpc
+from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.transfer.interface import KvTransport
 
 log = logging.getLogger(__name__)
 
 
 class PrefillPeer:
-    def __init__(self, address: str, peer_id: WorkerId, channel: grpc.aio.Channel) -> None:
+    def __init__(self, address: str, peer_id: WorkerId, client: KvTransferClient) -> None:
         self.address = address
         self.peer_id = peer_id
-        self._channel = channel
-        self._stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+        self._client = client
 
     async def prefill(self, order: PrefillOrder, timeout_s: float) -> PrefillResult:
-        try:
-            reply = await self._stub.Prefill(convert.order_to_proto(order), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, self.address, timeout_s) from exc
-        return convert.result_from_proto(reply)
+        return await self._client.prefill(order, timeout_s)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._client.close()
 
 
 class PrefillPeers:
@@ -68,17 +59,13 @@ class PrefillPeers:
             await self.forget(address)
 
     async def _connect(self, address: str) -> PrefillPeer:
-        channel = grpc.aio.insecure_channel(address)
-        stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
-        request = convert.handshake(self._transport.worker_id, self._transport.local_metadata())
+        client = KvTransferClient(address)
         try:
-            reply = await stub.Handshake(request, timeout=self._rpc_timeout_s)
-            await asyncio.to_thread(self._transport.add_peer, WorkerId(reply.worker_id), reply.metadata)
-        except grpc.aio.AioRpcError as exc:
-            await channel.close()
-            raise error_from_rpc(exc, address, self._rpc_timeout_s) from exc
+            peer_id, metadata = await client.handshake(self._transport.worker_id, self._transport.local_metadata(),
+                                                       self._rpc_timeout_s)
+            await asyncio.to_thread(self._transport.add_peer, peer_id, metadata)
         except PdserveError:
-            await channel.close()
+            await client.close()
             raise
-        log.info("KV peer %s at %s connected", reply.worker_id, address)
-        return PrefillPeer(address, WorkerId(reply.worker_id), channel)
+        log.info("KV peer %s at %s connected", peer_id, address)
+        return PrefillPeer(address, peer_id, client)

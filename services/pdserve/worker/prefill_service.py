@@ -10,14 +10,9 @@ import logging
 import time
 from contextlib import aclosing
 
-import grpc
-
 from pdserve.common.disagg import PrefillOrder, PrefillResult
 from pdserve.common.errors import InvalidRequestError, PdserveError, TransferError, WorkerError
 from pdserve.common.ids import WorkerId
-from pdserve.rpc import kv_transfer as convert
-from pdserve.rpc.gen import kv_transfer_pb2_grpc
-from pdserve.rpc.status import status_of
 from pdserve.transfer.interface import KvTransport, TransferHandle, TransferState
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.metrics import TransferMetrics
@@ -26,30 +21,31 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
 
 
-class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
+class PrefillService:
+    """The prefill worker's `rpc.kv_transfer_service.KvTransferHandler`."""
+
     def __init__(self, engine: ThreadedEngine, transport: KvTransport, metrics: TransferMetrics) -> None:
         self._engine = engine
         self._transport = transport
         self._metrics = metrics
 
-    async def Handshake(self, request, context: grpc.aio.ServicerContext):
+    async def handshake(self, peer_id: WorkerId, metadata: bytes) -> tuple[WorkerId, bytes]:
         try:
-            await asyncio.to_thread(self._transport.add_peer, WorkerId(request.worker_id), request.metadata)
+            await asyncio.to_thread(self._transport.add_peer, peer_id, metadata)
         except PdserveError as exc:
-            log.error("refused KV peer %s: %s", request.worker_id, exc)
-            await _fail(context, exc)
-        return convert.handshake_reply(self._transport.worker_id, self._transport.local_metadata())
+            log.error("refused KV peer %s: %s", peer_id, exc)
+            raise
+        return self._transport.worker_id, self._transport.local_metadata()
 
-    async def Prefill(self, request, context: grpc.aio.ServicerContext):
-        order = convert.order_from_proto(request)
+    async def prefill(self, order: PrefillOrder) -> PrefillResult:
         start = time.perf_counter()
         try:
             result = await self._prefill(order)
-        except PdserveError as exc:
+        except PdserveError:
             self._metrics.failures.labels("sent").inc()
-            await _fail(context, exc)
+            raise
         self._metrics.transferred("sent", result.num_blocks, result.num_bytes, time.perf_counter() - start)
-        return convert.result_to_proto(result)
+        return result
 
     async def _prefill(self, order: PrefillOrder) -> PrefillResult:
         deadline = time.monotonic() + order.timeout_s
@@ -99,8 +95,3 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
                 self._transport.wait(handle)  # raises TransferError with the reason
                 raise TransferError(f"transfer {handle.transfer_id} failed")
             await asyncio.sleep(POLL_INTERVAL_S)
-
-
-async def _fail(context: grpc.aio.ServicerContext, exc: PdserveError) -> None:
-    code, details, metadata = status_of(exc)
-    await context.abort(code, details, metadata)

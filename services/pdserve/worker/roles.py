@@ -13,18 +13,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.ids import WorkerId
 from pdserve.common.settings import WorkerSettings
 from pdserve.common.stats import WorkerRole
-from pdserve.rpc.gen import kv_transfer_pb2_grpc
+from pdserve.rpc.kv_transfer_service import add_kv_transfer_service
 from pdserve.transfer.interface import KvTransport
 from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.disagg import DecodeEngine, DisaggConfig
-from pdserve.worker.engine_api import AsyncEngine
 from pdserve.worker.kv_peers import PrefillPeers
 from pdserve.worker.metrics import TransferMetrics
-from pdserve.worker.prefill_service import KvTransferServicer
+from pdserve.worker.prefill_service import PrefillService
 
 BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.02
@@ -43,9 +43,8 @@ def build_role(settings: WorkerSettings, threaded: ThreadedEngine, metrics: Tran
         return RoleParts(threaded)
     transport = make_transport(settings, threaded)
     if settings.role == WorkerRole.PREFILL:
-        servicer = KvTransferServicer(threaded, transport, metrics)
-        return RoleParts(threaded, [lambda s: kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(servicer, s)],
-                         transport)
+        service = PrefillService(threaded, transport, metrics)
+        return RoleParts(threaded, [lambda s: add_kv_transfer_service(s, service)], transport)
     peers = PrefillPeers(transport)
     config = DisaggConfig(WorkerId(settings.peer_name), settings.disagg_min_prefill_tokens,
                           settings.kv_transfer_timeout_s,

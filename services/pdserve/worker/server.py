@@ -5,10 +5,9 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.errors import ConfigError
-from pdserve.rpc.gen import worker_pb2_grpc
-from pdserve.worker.engine_api import AsyncEngine
-from pdserve.worker.service import WorkerServicer
+from pdserve.rpc.worker_service import add_worker_service
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ class WorkerServer:
     def __init__(self, engine: AsyncEngine, host: str, port: int,
                  services: Sequence[Callable[[grpc.aio.Server], None]] = ()) -> None:
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), self._server)
+        add_worker_service(self._server, engine)
         for add_service in services:  # e.g. the KvTransfer service of a prefill worker
             add_service(self._server)
         self._address = f"{host}:{port}"

@@ -13,14 +13,14 @@ from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.model.runner import ModelRunner
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
-from pdserve.rpc.gen import kv_transfer_pb2_grpc
+from pdserve.rpc.kv_transfer_service import add_kv_transfer_service
 from pdserve.transfer.fake import FakeFabric, FakeTransport, Fault
 from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.disagg import DecodeEngine, DisaggConfig
 from pdserve.worker.kv_peers import PrefillPeers
 from pdserve.worker.metrics import TransferMetrics
-from pdserve.worker.prefill_service import KvTransferServicer
+from pdserve.worker.prefill_service import PrefillService
 from tests.unit.engine.token_store_runner import CharTokenizer
 
 TPB = 4
@@ -64,8 +64,7 @@ class Pair:
 
     async def start(self) -> str:
         self.server = grpc.aio.server()
-        kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(self.p, self.tp, TransferMetrics()),
-                                                              self.server)
+        add_kv_transfer_service(self.server, PrefillService(self.p, self.tp, TransferMetrics()))
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         return f"127.0.0.1:{port}"

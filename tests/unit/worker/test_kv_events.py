@@ -12,14 +12,14 @@ from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import WorkerId
 from pdserve.common.stats import ModelInfo, WorkerRole
 from pdserve.kvcache import BlockStored, Tier, hash_request_blocks
-from pdserve.router.routing.kv_events_client import KvEventsClient
+from pdserve.rpc.kv_events_client import KvEventsClient
 from pdserve.router.routing.kv_subscriber import KvEventSubscriber
 from pdserve.router.routing.prefix_index import Overlap, PrefixIndex
 from pdserve.router.routing.routing_metrics import RoutingCounters
 from pdserve.worker.async_engine import ThreadedEngine
-from pdserve.worker.kv_events import KvEventPublisher, KvEventsServicer, SubscriberOverflow
+from pdserve.worker.kv_events import KvEventPublisher
 from pdserve.worker.server import WorkerServer
-from pdserve.rpc.gen import kv_events_pb2_grpc
+from pdserve.rpc.kv_events_service import SubscriberOverflow, add_kv_events_service
 from tests.unit.engine.test_llm_engine import make_engine, request
 
 TPB = 4
@@ -44,9 +44,8 @@ def threaded():
 async def serving(engine: ThreadedEngine, max_queued: int = 1024) -> AsyncIterator[tuple[KvEventsClient, asyncio.Event]]:
     """The engine's worker server with KvEvents; yields a router-side client and the stop event."""
     stopping = asyncio.Event()
-    servicer = KvEventsServicer(KvEventPublisher(engine, max_queued), stopping)
-    server = WorkerServer(engine, "127.0.0.1", 0,
-                          [lambda s: kv_events_pb2_grpc.add_KvEventsServicer_to_server(servicer, s)])
+    publisher = KvEventPublisher(engine, max_queued)
+    server = WorkerServer(engine, "127.0.0.1", 0, [lambda s: add_kv_events_service(s, publisher, stopping)])
     client = KvEventsClient(f"127.0.0.1:{await server.start()}", rpc_timeout_s=5.0)
     try:
         yield client, stopping

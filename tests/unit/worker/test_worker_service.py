@@ -18,7 +18,7 @@ from pdserve.common.errors import (
 )
 from pdserve.rpc import convert
 from pdserve.rpc.gen import worker_pb2_grpc
-from pdserve.router.routing.grpc_backend import GrpcBackend
+from pdserve.rpc.worker_client import GrpcBackend
 from pdserve.worker.server import WorkerServer
 
 WAIT_S = 10.0  # bound on every wait; the fake engine answers at once

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pdserve.common.ids import WorkerId
 from pdserve.common.stats import ModelInfo
 from pdserve.kvcache import HASH_ALGORITHM
-from pdserve.router.routing.grpc_backend import GrpcBackend
-from pdserve.router.routing.kv_events_client import KvEventsClient
+from pdserve.rpc.worker_client import GrpcBackend
+from pdserve.rpc.kv_events_client import KvEventsClient
 from pdserve.router.routing.kv_subscriber import EventSource, KvEventSubscriber
 from pdserve.router.routing.prefix_index import PrefixIndex
 from pdserve.router.routing.registration import cluster_info

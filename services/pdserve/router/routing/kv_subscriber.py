@@ -16,7 +16,7 @@ from typing import Protocol
 
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import WorkerId
-from pdserve.router.routing.kv_events_client import KvEventsError, KvEventsUnsupported
+from pdserve.rpc.kv_events_client import KvEventsError, KvEventsUnsupported
 from pdserve.router.routing.prefix_index import ApplyResult, PrefixIndex
 from pdserve.router.routing.routing_metrics import RoutingCounters
 from pdserve.rpc.kv_events import EventBatch, KvSnapshot

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import WorkerId
 from pdserve.kvcache import BlockStored, Tier, hash_request_blocks
-from pdserve.router.routing.kv_events_client import KvEventsError, KvEventsUnsupported
+from pdserve.rpc.kv_events_client import KvEventsError, KvEventsUnsupported
 from pdserve.router.routing.kv_subscriber import KvEventSubscriber
 from pdserve.router.routing.prefix_index import Overlap, PrefixIndex
 from pdserve.router.routing.routing_metrics import RoutingCounters

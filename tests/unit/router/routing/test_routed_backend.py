@@ -12,7 +12,7 @@ from pdserve.common.request import GenerationRequest, SamplingParams
 from pdserve.common.stats import EngineStats, WorkerRole
 from pdserve.router.routing.cluster import Cluster, ClusterConfig
 from pdserve.router.routing.cost import WorkerLoad
-from pdserve.router.routing.kv_events_client import KvEventsUnsupported
+from pdserve.rpc.kv_events_client import KvEventsUnsupported
 from pdserve.router.routing.planner import Planner, RoutingConfig
 from pdserve.router.routing.routed_backend import RoutedBackend, prompt_block_keys
 from pdserve.router.routing.worker_pool import PoolConfig

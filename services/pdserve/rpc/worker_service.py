@@ -1,4 +1,4 @@
-"""The worker's gRPC service: a thin shell that turns RPCs into engine calls.
+"""The Worker gRPC service: a thin shell that turns RPCs into calls of the engine it serves.
 
 One cleanup owner per request: whenever a `Generate` call ends before the engine finished
 the request (the client cancelled, its deadline passed, the connection dropped, or anything
@@ -11,6 +11,7 @@ from typing import NoReturn
 
 import grpc
 
+from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, PdserveError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest
@@ -19,7 +20,6 @@ from pdserve.rpc.gen import request_pb2 as rpb
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
 from pdserve.rpc.status import status_of
-from pdserve.worker.engine_api import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +98,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return wpb.CheckKvIntegrityResponse(ok=report.ok, error=report.error,
                                             num_held_for_peer=report.num_held_for_peer,
                                             num_used_blocks=report.num_used_blocks)
+
+
+def add_worker_service(server: grpc.aio.Server, engine: AsyncEngine) -> None:
+    """Serve `engine` as the Worker service of `server`."""
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)

@@ -12,7 +12,7 @@ from pdserve.common.errors import PdserveError, WorkerUnavailableError
 from pdserve.rpc import kv_events as convert
 from pdserve.rpc.gen import kv_events_pb2 as pb
 from pdserve.rpc.gen import kv_events_pb2_grpc
-from pdserve.router.routing.grpc_backend import CHANNEL_OPTIONS
+from pdserve.rpc.worker_client import CHANNEL_OPTIONS
 
 # A snapshot names every cached block (about 40 bytes each); gRPC's 4 MiB default would cap
 # a worker at some 100k blocks.

@@ -6,7 +6,7 @@ Precedence, highest first: flag > environment variable > file named by `--config
 `PDSERVE_CONFIG`; YAML, TOML or JSON) > the field's default. Flags take vLLM's names where
 the meaning is the same. A bad value raises ConfigError naming where it came from, e.g.
 `PDSERVE_BLOCK_SIZE='12': must be a power of two`. No other module reads the environment.
-`pdserve serve`'s settings (a router and its workers) are built from these in `serve_settings`.
+`pdserve serve`'s settings (a router and its workers) are built from these in `serve/settings.py`.
 """
 import dataclasses
 import os

@@ -75,3 +75,17 @@ def test_paged_attention_equals_reference(native, dtype, tol, num_heads, kvh, hd
     out = native.attention(q, kv, 1, segments, tables, num_heads, hd ** -0.5, window)
     expected = reference_attention(q, kv, 1, segments, tables, num_heads, window)
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_long_chunks_over_a_prefix_span_several_tiles(native, dtype, tol):
+    """150 new tokens over a 37-token prefix, and 130 fresh ones: more than one query tile each."""
+    g = torch.Generator().manual_seed(7)
+    kvh, hd, num_heads, tpb = 2, 64, 6, 16
+    kv = torch.randn(40, 1, 2, tpb, kvh, hd, generator=g).to(dtype)
+    segments = torch.tensor([[0, 150, 37], [150, 130, 0]], dtype=torch.int32)
+    tables = torch.randperm(40, generator=g)[:26].view(2, 13).to(torch.int32)
+    q = torch.randn(280, num_heads * hd, generator=g).to(dtype)
+    out = native.attention(q, kv, 0, segments, tables, num_heads, hd ** -0.5, 0)
+    expected = reference_attention(q, kv, 0, segments, tables, num_heads, 0)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)

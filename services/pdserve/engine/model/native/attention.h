@@ -49,8 +49,16 @@ struct AttentionArgs {
   T* out;          // (T, num_heads * hd)
 };
 
-constexpr int64_t kQueryTile = 16;     // query tokens of one segment per work item
-constexpr int64_t kMinPackedTile = 4;  // bf16 tiles of at least this many tokens use the packed path
+constexpr int64_t kQueryTile = 16;  // query tokens of one segment per work item
+// bf16 chunks of at least kMinPackedTile tokens use the packed path, in tiles of up to
+// kPackedTile tokens: each tile packs every K/V chunk it sees once, so longer tiles pack less.
+constexpr int64_t kMinPackedTile = 4;
+constexpr int64_t kPackedTile = 128;
+#if defined(__AVX512BF16__)
+constexpr bool kHasPackedAttention = true;
+#else
+constexpr bool kHasPackedAttention = false;
+#endif
 
 struct WorkItem {
   int32_t segment, t0, t1;  // query tokens [t0, t1) of the segment
@@ -227,8 +235,10 @@ template <typename T>
 void paged_attention(const AttentionArgs<T>& a, const std::vector<int32_t>& ids = {}) {
   std::vector<WorkItem> items;
   auto add = [&](int32_t s) {
-    for (int32_t t0 = 0; t0 < a.segments[s].q_len; t0 += kQueryTile)
-      items.push_back({s, t0, std::min<int32_t>(a.segments[s].q_len, t0 + kQueryTile)});
+    const int32_t len = a.segments[s].q_len;
+    const bool packed = kHasPackedAttention && std::is_same_v<T, bf16> && len >= kMinPackedTile;
+    const int32_t tile = int32_t(packed ? kPackedTile : kQueryTile);
+    for (int32_t t0 = 0; t0 < len; t0 += tile) items.push_back({s, t0, std::min<int32_t>(len, t0 + tile)});
   };
   if (ids.empty())
     for (int32_t s = 0; s < a.num_segments; ++s) add(s);

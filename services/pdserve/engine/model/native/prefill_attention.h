@@ -1,5 +1,5 @@
 // Attention for tiles of many query tokens in bf16, as small matrix products on AVX512-BF16:
-// per KV head and chunk of 16 keys, K and V are packed once per query tile into bf16 pairs
+// per KV head and chunk of 16 keys, K and V are packed once per query tile (up to 128 tokens) into bf16 pairs
 // (K by head dimension, V by key), then each query row costs hd/2 dot-product instructions for its 16
 // scores and 8 * hd/16 for its output, shared by the query heads of the group. Probabilities
 // go through bf16 for P.V, as in torch's flash attention on bf16 inputs.
@@ -68,6 +68,7 @@ struct Bf16TileAttention {
   }
 
   void attend(int64_t r, const bf16* q, int64_t pos, int64_t key, int64_t n) {
+    if (pos < key || (window && key + n - 1 <= pos - window)) return;  // sees none of the chunk
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();

@@ -1,5 +1,5 @@
 // Attention for tiles of many query tokens in bf16, as small matrix products on AVX512-BF16:
-// per KV head and chunk of 16 keys, K and V are packed once per query tile (up to 128 tokens) into bf16 pairs
+// per KV head and chunk of 32 keys, K and V are packed once per query tile (up to 128 tokens) into bf16 pairs
 // (K by head dimension, V by key), then each query row costs hd/2 dot-product instructions for its 16
 // scores and 8 * hd/16 for its output, shared by the query heads of the group. Probabilities
 // go through bf16 for P.V, as in torch's flash attention on bf16 inputs.
@@ -17,13 +17,13 @@ namespace pdserve {
 template <int CH>
 struct Bf16TileAttention {
   static constexpr int64_t HD = CH * 16;
-  static constexpr int64_t kKeys = 16;  // keys per chunk: one vector of scores
+  static constexpr int64_t kKeys = 32;  // keys per chunk: two vectors of scores
   const bf16* kv;  // the KV tensor shifted to this layer's K: block b's K rows at kv + b * block_stride
   int64_t key_stride, kind_stride;
   float scale;
   int64_t window;
   int64_t block_stride;
-  std::vector<uint32_t> kp, vp;  // (HD/2, 16) K pairs by dimension; (8, HD) V pairs by key
+  std::vector<uint32_t> kp, vp;  // (HD/2, 32) K pairs by dimension; (16, HD) V pairs by key
   std::vector<float> acc, m, l;  // per row of the tile: output sums, running max, running sum
 
   Bf16TileAttention(const bf16* layer_kv, int64_t block_stride_, int64_t key_stride_, int64_t kind_stride_,
@@ -71,28 +71,41 @@ struct Bf16TileAttention {
     if (pos < key || (window && key + n - 1 <= pos - window)) return;  // sees none of the chunk
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    __m512 s_lo = _mm512_setzero_ps(), s_hi = _mm512_setzero_ps();  // keys 0-15, 16-31
+    __m512 t_lo = _mm512_setzero_ps(), t_hi = _mm512_setzero_ps();  // odd dimension pairs
     for (int64_t dp = 0; dp < HD / 2; dp += 2) {
-      s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(int(q32[dp])),
-                            (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys]));
-      s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(int(q32[dp + 1])),
-                            (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys]));
+      const __m512bh q0 = (__m512bh)_mm512_set1_epi32(int(q32[dp])), q1 = (__m512bh)_mm512_set1_epi32(int(q32[dp + 1]));
+      s_lo = _mm512_dpbf16_ps(s_lo, q0, (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys]));
+      s_hi = _mm512_dpbf16_ps(s_hi, q0, (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys + 16]));
+      t_lo = _mm512_dpbf16_ps(t_lo, q1, (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys]));
+      t_hi = _mm512_dpbf16_ps(t_hi, q1, (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys + 16]));
     }
-    __m512 s = _mm512_mul_ps(_mm512_add_ps(s0, s1), _mm512_set1_ps(scale));
-    const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(int(key)),
-                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    __mmask16 valid = _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(int(pos)));
-    valid &= (__mmask16)((1u << n) - 1);
-    if (window) valid &= _mm512_cmpgt_epi32_mask(key_pos, _mm512_set1_epi32(int(pos - window)));
-    if (!valid) return;
-    s = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, s);
-    const float new_max = std::max(m[r], _mm512_reduce_max_ps(s));
-    const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    __m512 lo = _mm512_mul_ps(_mm512_add_ps(s_lo, t_lo), scale_v), hi = _mm512_mul_ps(_mm512_add_ps(s_hi, t_hi), scale_v);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i pos_lo = _mm512_add_epi32(_mm512_set1_epi32(int(key)), iota);
+    const __m512i pos_hi = _mm512_add_epi32(pos_lo, _mm512_set1_epi32(16));
+    const __m512i query = _mm512_set1_epi32(int(pos));
+    const uint32_t in_chunk = uint32_t((1ull << n) - 1);
+    __mmask16 valid_lo = _mm512_cmple_epi32_mask(pos_lo, query) & __mmask16(in_chunk);
+    __mmask16 valid_hi = _mm512_cmple_epi32_mask(pos_hi, query) & __mmask16(in_chunk >> 16);
+    if (window) {
+      const __m512i oldest = _mm512_set1_epi32(int(pos - window));
+      valid_lo &= _mm512_cmpgt_epi32_mask(pos_lo, oldest);
+      valid_hi &= _mm512_cmpgt_epi32_mask(pos_hi, oldest);
+    }
+    if (!valid_lo && !valid_hi) return;
+    lo = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid_lo, lo);
+    hi = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid_hi, hi);
+    const float new_max = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)));
+    const __m512 top = _mm512_set1_ps(new_max);
+    const __m512 p_lo = exp16(_mm512_sub_ps(lo, top)), p_hi = exp16(_mm512_sub_ps(hi, top));
     const __m512 correction = exp16(_mm512_set1_ps(m[r] - new_max));  // 0 when m was -inf
-    l[r] = l[r] * _mm512_cvtss_f32(correction) + _mm512_reduce_add_ps(p);
+    l[r] = l[r] * _mm512_cvtss_f32(correction) + _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
     m[r] = new_max;
-    uint32_t ppair[8];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair), (__m256i)_mm512_cvtneps_pbh(p));
+    uint32_t ppair[16];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair), (__m256i)_mm512_cvtneps_pbh(p_lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair + 8), (__m256i)_mm512_cvtneps_pbh(p_hi));
     float* o = &acc[r * HD];
     __m512 out[CH];
     for (int c = 0; c < CH; ++c) out[c] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), correction);
@@ -103,7 +116,6 @@ struct Bf16TileAttention {
     }
     for (int c = 0; c < CH; ++c) _mm512_storeu_ps(o + 16 * c, out[c]);
   }
-
 };
 
 }  // namespace pdserve

@@ -89,3 +89,12 @@ def test_long_chunks_over_a_prefix_span_several_tiles(native, dtype, tol):
     out = native.attention(q, kv, 0, segments, tables, num_heads, hd ** -0.5, 0)
     expected = reference_attention(q, kv, 0, segments, tables, num_heads, 0)
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_without_a_compiler_the_kernels_are_skipped_with_the_reason_logged(tmp_path, monkeypatch, caplog):
+    """A container image without build tools serves on torch ops instead of failing a build."""
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    with caplog.at_level("WARNING", logger="pdserve.engine.model.native"):
+        assert load_native(str(tmp_path)) is None
+    assert "no C++ compiler (no-such-c++-compiler) on PATH" in caplog.text
+    assert not any((tmp_path / "kernels").glob("*/*.so"))

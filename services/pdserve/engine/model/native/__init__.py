@@ -16,6 +16,7 @@ flags, so a changed source or a cache copied to another CPU rebuilds instead of 
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -55,6 +56,10 @@ def _build(build_dir: Path) -> ModuleType | None:
 
     build_dir.mkdir(parents=True, exist_ok=True)
     is_cached = any(build_dir.glob("*.so"))
+    compiler = os.environ.get("CXX", "c++")  # the one torch's extension builder calls
+    if not is_cached and shutil.which(compiler) is None:
+        log.warning("native CPU kernels unavailable, using torch ops: no C++ compiler (%s) on PATH", compiler)
+        return None
     if not is_cached:
         log.info("compiling native CPU kernels into %s (first start only, about 30-60 s)", build_dir)
     start = time.monotonic()

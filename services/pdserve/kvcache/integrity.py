@@ -1,4 +1,8 @@
-"""`check_pool_integrity`: the pool's invariants, checked from scratch (tests call it after every step)."""
+"""`check_pool_integrity`: the pool's invariants, checked from scratch (tests call it after every step).
+
+Linear in blocks: every lookup it makes is into a set, counter or dict built once per check
+(the worker runs it on its engine thread, between steps).
+"""
 from collections import Counter
 from collections.abc import Iterable
 
@@ -19,6 +23,7 @@ def check_pool_integrity(pool: BlockPool, owners: Iterable[list[KvBlock]]) -> No
     free_set = set(free_ids)
     num_cached_free = num_in_use = 0
     children = Counter(id(b.parent) for b in pool.blocks if b.block_hash is not None and b.parent is not None)
+    queued = pool.queue.queued_blocks()
     for block in pool.blocks:
         name = f"block {block.block_id}"
         _require(block.ref_count == owned.get(id(block), 0),
@@ -34,7 +39,7 @@ def check_pool_integrity(pool: BlockPool, owners: Iterable[list[KvBlock]]) -> No
             _require(not in_free, f"{name}: cached and in the free list")
         else:
             _require(in_free, f"{name}: free but not in the free list")
-        _check_cached(pool, block)
+        _check_cached(pool, block, queued)
     _require(num_cached_free == pool.num_cached_free,
              f"cached-free count {pool.num_cached_free} != actual {num_cached_free}")
     total = len(free_ids) + num_cached_free + num_in_use
@@ -42,7 +47,7 @@ def check_pool_integrity(pool: BlockPool, owners: Iterable[list[KvBlock]]) -> No
     _require(len(pool.cached) == sum(1 for b in pool.blocks if b.block_hash is not None), "hash map size mismatch")
 
 
-def _check_cached(pool: BlockPool, block: KvBlock) -> None:
+def _check_cached(pool: BlockPool, block: KvBlock, queued: set[KvBlock]) -> None:
     name = f"block {block.block_id}"
     if block.block_hash is None:
         _require(block.parent is None, f"{name}: uncached block keeps a parent")
@@ -51,7 +56,7 @@ def _check_cached(pool: BlockPool, block: KvBlock) -> None:
     if block.parent is not None:
         _require(block.parent.block_hash is not None, f"{name}: parent is not cached (unreachable block)")
     if block.is_evictable:
-        _require(pool.queue.has_live_entry(block), f"{name}: evictable but not in the eviction queue")
+        _require(block in queued, f"{name}: evictable but not in the eviction queue")
 
 
 def _require(condition: bool, message: str) -> None:

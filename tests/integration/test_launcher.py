@@ -31,7 +31,7 @@ def children_of(pid: int) -> list[int]:
 
 
 def command_of(pid: int) -> str:
-    """e.g. "python -m pdserve.cli worker --model ..."."""
+    """e.g. "python -m pdserve.serve.tether 1234 15 worker --model ..."."""
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
@@ -109,7 +109,7 @@ def test_serve_answers_through_prefill_and_decode_and_ctrl_c_stops_everything(tm
     serve, url = start_serve(tmp_path, port, worker_port, metrics_port)
     try:
         children = children_of(serve.pid)
-        kinds = sorted(command_of(pid).split()[3] for pid in children)
+        kinds = sorted(command_of(pid).split()[5] for pid in children)
         answer, route = complete(url, LONG_PROMPT)
         received = metric(metrics_port + 1, 'pdserve_kv_transfer_blocks_count{direction="received"}')
         sent = metric(metrics_port, 'pdserve_kv_transfer_blocks_count{direction="sent"}')

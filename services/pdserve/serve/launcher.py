@@ -3,9 +3,11 @@
 Starts every worker at once and waits (bounded) for each one's gRPC health, starts the router
 with one `--worker` per worker and waits for its HTTP `/health`, prints the URL, the topology
 and a curl line, then watches them all. Ctrl-C or SIGTERM stops every process (router first);
-a child that dies stops the others and makes `serve` exit 1 with one line.
+a child that dies stops the others and makes `serve` exit 1 with one line. Each child is
+tethered to this process (`tether.py`): killed with SIGKILL, serve takes its children with it.
 """
 import json
+import os
 import shlex
 import sys
 import urllib.error
@@ -20,7 +22,6 @@ from pdserve.serve.supervisor import ChildFailedError, ChildSpec, StopRequested,
 
 PROBE_TIMEOUT_S = 1.0
 EXAMPLE_PROMPT = "The capital of France is"
-COMMAND = (sys.executable, "-m", "pdserve.cli")
 
 
 def base_url(settings: ServeSettings) -> str:
@@ -42,20 +43,26 @@ def worker_name(worker: WorkerSettings) -> str:
     return f"{role}worker at {worker.address}"
 
 
-def worker_spec(worker: WorkerSettings) -> ChildSpec:
+def child_command(settings: ServeSettings) -> tuple[str, ...]:
+    """`pdserve` in a child that dies with this process (after `--shutdown-timeout` at most)."""
+    return (sys.executable, "-m", "pdserve.serve.tether", str(os.getpid()), f"{settings.shutdown_timeout_s:g}")
+
+
+def worker_spec(command: tuple[str, ...], worker: WorkerSettings) -> ChildSpec:
     address = worker.address
-    return ChildSpec(worker_name(worker), (*COMMAND, "worker", *to_argv(worker)),
+    return ChildSpec(worker_name(worker), (*command, "worker", *to_argv(worker)),
                      lambda: is_worker_serving(address, PROBE_TIMEOUT_S),
                      child_environ())  # the worker sets its own CPU runtime defaults
 
 
 def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
-    """The workers (started together), then the router: each run as `python -m pdserve.cli
-    <kind> <flags>` with every setting as a flag, so the child resolves what this process did."""
+    """The workers (started together), then the router: each run as `<child_command> <kind>
+    <flags>` with every setting as a flag, so the child resolves what this process did."""
     url = base_url(settings)
-    router = ChildSpec("router", (*COMMAND, "router", *to_argv(settings.router)),
+    command = child_command(settings)
+    router = ChildSpec("router", (*command, "router", *to_argv(settings.router)),
                        lambda: is_http_healthy(url), child_environ())
-    return [[worker_spec(worker) for worker in settings.workers], [router]]
+    return [[worker_spec(command, worker) for worker in settings.workers], [router]]
 
 
 def topology_lines(settings: ServeSettings) -> list[str]:

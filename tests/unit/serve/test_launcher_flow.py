@@ -83,11 +83,12 @@ def test_each_worker_and_the_router_get_every_setting_as_a_flag_and_no_pdserve_e
          "--prefill", "1", "--decode", "1"], {})
     workers, (router,) = child_stages(settings)
     assert [spec.name for spec in workers] == ["prefill worker at 127.0.0.1:6000", "decode worker at 127.0.0.1:6001"]
-    assert [resolve_worker_settings(spec.argv[4:], {}) for spec in workers] == list(settings.workers)
-    assert resolve_router_settings(router.argv[4:], {}) == settings.router
-    assert workers[0].argv[:4] == (sys.executable, "-m", "pdserve.cli", "worker")
-    assert router.argv[:4] == (sys.executable, "-m", "pdserve.cli", "router")
-    router_flags = " ".join(router.argv[4:])
+    assert [resolve_worker_settings(spec.argv[6:], {}) for spec in workers] == list(settings.workers)
+    assert resolve_router_settings(router.argv[6:], {}) == settings.router
+    tethered = (sys.executable, "-m", "pdserve.serve.tether", str(os.getpid()), "15")  # --shutdown-timeout
+    assert workers[0].argv[:6] == (*tethered, "worker")
+    assert router.argv[:6] == (*tethered, "router")
+    router_flags = " ".join(router.argv[6:])
     assert "--worker 127.0.0.1:6000 --worker 127.0.0.1:6001" in router_flags
     assert [" ".join(spec.argv).count("--num-threads 1") for spec in workers] == [1, 1]
     assert workers[0].env is not None and not any(k.startswith("PDSERVE_") for k in workers[0].env)

@@ -8,4 +8,7 @@ BlockId = NewType("BlockId", int)
 """Index of a physical block in one worker's KV tensor."""
 
 RequestId = NewType("RequestId", str)
+DeploymentId = NewType("DeploymentId", str)
+"""One launch of a router and its workers; a router admits only workers of its own (when it has one)."""
+
 WorkerId = NewType("WorkerId", str)

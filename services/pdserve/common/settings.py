@@ -94,6 +94,10 @@ class WorkerSettings:
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
     worker_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                 help="name of this worker to its peers (default: <role>@<address>)")
+    deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                                    help="the deployment this worker belongs to, told to routers that ask; a router "
+                                         "with a deployment id admits only its own workers (pdserve serve: a fresh "
+                                         "id per launch)")
     metrics_port: int | None = opt(None, parse=cv.optional(cv.parse_int),
                                    help="serve Prometheus metrics over HTTP on this port (0: any free port)")
     kv_transfer_timeout_s: float = opt(30.0, parse=cv.parse_float, flag="kv-transfer-timeout",
@@ -159,6 +163,9 @@ class RouterSettings:
     output_timeout_s: float = opt(120.0, parse=cv.parse_float, flag="output-timeout",
                                   help="longest wait between two outputs of one request (seconds)")
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
+    deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                                    help="admit only workers started with this --deployment-id (pdserve serve: a "
+                                         "fresh id per launch); unset: admit any worker and log the id it reports")
     # ---- routing across workers (see router/cost.py and router/policy.py) ----
     routing_policy: str = opt("kv_aware", parse=cv.choice(*ROUTING_POLICIES),
                               help=" | ".join(ROUTING_POLICIES) + "; the others exist for comparison")

@@ -6,6 +6,8 @@ it computes the same block keys as the worker and to weigh load when it picks a 
 import enum
 from dataclasses import dataclass
 
+from pdserve.common.ids import DeploymentId
+
 
 class WorkerRole(enum.StrEnum):
     BOTH = "both"  # aggregated: prefill and decode in one process
@@ -29,6 +31,15 @@ class ModelInfo:
     role: WorkerRole
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker's answer to the router's first question: its model, and the deployment it was
+    started in (None: started without a deployment id)."""
+
+    model: ModelInfo
+    deployment_id: DeploymentId | None
 
 
 @dataclass(frozen=True, slots=True)

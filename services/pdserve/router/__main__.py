@@ -3,7 +3,7 @@ subscribers, routing) and the HTTP app together.
 
 Exit status: 0 after a clean stop (SIGINT/SIGTERM), 2 for a bad setting or workers that
 disagree (model, block size, block-key algorithm), 1 when no decode-capable worker can be
-reached within `--worker-wait-timeout`.
+reached within `--worker-wait-timeout` (a worker of another `--deployment-id` is never admitted).
 """
 import asyncio
 import logging
@@ -15,6 +15,7 @@ from types import FrameType
 import uvicorn
 
 from pdserve.common.errors import ConfigError, WorkerUnavailableError
+from pdserve.common.ids import DeploymentId
 from pdserve.common.settings import RouterSettings, resolve_router_settings
 from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 from pdserve.router.openai.app import create_app
@@ -76,8 +77,9 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer) -> None:
 
 
 def cluster_config(settings: RouterSettings) -> ClusterConfig:
+    deployment = DeploymentId(settings.deployment_id) if settings.deployment_id else None
     pool = PoolConfig(settings.worker_poll_interval_s, settings.worker_failure_threshold,
-                      settings.worker_wait_timeout_s)
+                      settings.worker_wait_timeout_s, deployment)
     return ClusterConfig(settings.workers, pool, settings.rpc_timeout_s, settings.generate_timeout_s)
 
 

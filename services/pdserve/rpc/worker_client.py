@@ -5,9 +5,9 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import DeploymentId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
+from pdserve.common.stats import EngineStats, KvIntegrity, WorkerInfo
 from pdserve.rpc import convert
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
@@ -77,9 +77,9 @@ class GrpcBackend:
         reply = await self._call(self._worker().GetStats, wpb.GetStatsRequest())
         return convert.stats_from_proto(reply.stats)
 
-    async def info(self) -> ModelInfo:
+    async def info(self) -> WorkerInfo:
         reply = await self._call(self._worker().GetInfo, wpb.GetInfoRequest())
-        return convert.info_from_proto(reply.info)
+        return WorkerInfo(convert.info_from_proto(reply.info), DeploymentId(reply.deployment_id) or None)
 
     async def check_integrity(self) -> KvIntegrity:
         """The worker's KV cache self-check (see the CheckKvIntegrity RPC)."""

@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, PdserveError
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import DeploymentId, RequestId
 from pdserve.common.request import GenerationRequest
 from pdserve.rpc import convert
 from pdserve.rpc.gen import request_pb2 as rpb
@@ -31,10 +31,11 @@ async def _fail(context: grpc.aio.ServicerContext, exc: PdserveError) -> NoRetur
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serves one engine; the server around it owns the lifecycle."""
+    """Serves one engine, started in `deployment_id` (None: none); the server around it owns the lifecycle."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, deployment_id: DeploymentId | None = None) -> None:
         self._engine = engine
+        self._deployment_id = deployment_id
 
     async def Generate(
         self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -89,7 +90,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetInfo(
         self, request: wpb.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> wpb.GetInfoResponse:
-        return wpb.GetInfoResponse(info=convert.info_to_proto(self._engine.info()))
+        return wpb.GetInfoResponse(info=convert.info_to_proto(self._engine.info()),
+                                   deployment_id=self._deployment_id or "")
 
     async def CheckKvIntegrity(
         self, request: wpb.CheckKvIntegrityRequest, context: grpc.aio.ServicerContext
@@ -100,6 +102,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                             num_used_blocks=report.num_used_blocks)
 
 
-def add_worker_service(server: grpc.aio.Server, engine: AsyncEngine) -> None:
+def add_worker_service(server: grpc.aio.Server, engine: AsyncEngine,
+                       deployment_id: DeploymentId | None = None) -> None:
     """Serve `engine` as the Worker service of `server`."""
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, deployment_id), server)

@@ -6,6 +6,7 @@ import signal
 import sys
 
 from pdserve.common.errors import ConfigError
+from pdserve.common.ids import DeploymentId
 from pdserve.common.settings import WorkerSettings, apply_worker_runtime_defaults, resolve_worker_settings
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
@@ -68,10 +69,10 @@ async def run_worker(settings: WorkerSettings) -> None:
     stop = _stop_on_signals()
     services = [*parts.services, kv_events_service(engine, stop)]
     try:
-        log.info("serving %s (role %s) on %s:%d", settings.model_name, settings.role,
-                 settings.host, settings.port)
-        await serve_until_stopped(parts.engine, settings.host, settings.port, stop,
-                                  settings.drain_timeout_s, services)
+        log.info("serving %s (role %s, deployment %s) on %s:%d", settings.model_name, settings.role,
+                 settings.deployment_id or "none", settings.host, settings.port)
+        await serve_until_stopped(parts.engine, settings.host, settings.port, stop, settings.drain_timeout_s,
+                                  services, DeploymentId(settings.deployment_id) if settings.deployment_id else None)
     finally:
         background.cancel()
         await close_role(parts)

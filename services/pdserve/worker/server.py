@@ -7,6 +7,7 @@ import grpc
 
 from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.errors import ConfigError
+from pdserve.common.ids import DeploymentId
 from pdserve.rpc.worker_service import add_worker_service
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,10 @@ class WorkerServer:
     """
 
     def __init__(self, engine: AsyncEngine, host: str, port: int,
-                 services: Sequence[Callable[[grpc.aio.Server], None]] = ()) -> None:
+                 services: Sequence[Callable[[grpc.aio.Server], None]] = (),
+                 deployment_id: DeploymentId | None = None) -> None:
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        add_worker_service(self._server, engine)
+        add_worker_service(self._server, engine, deployment_id)
         for add_service in services:  # e.g. the KvTransfer service of a prefill worker
             add_service(self._server)
         self._address = f"{host}:{port}"
@@ -61,10 +63,10 @@ class WorkerServer:
 
 async def serve_until_stopped(
     engine: AsyncEngine, host: str, port: int, stop: asyncio.Event, grace_s: float,
-    services: Sequence[Callable[[grpc.aio.Server], None]] = (),
+    services: Sequence[Callable[[grpc.aio.Server], None]] = (), deployment_id: DeploymentId | None = None,
 ) -> None:
     """Serve `engine` until `stop` is set, then drain for at most `grace_s` seconds."""
-    server = WorkerServer(engine, host, port, services)
+    server = WorkerServer(engine, host, port, services, deployment_id)
     await server.start()
     try:
         await stop.wait()

@@ -16,6 +16,8 @@ from pdserve.common.errors import (
     WorkerTimeoutError,
     WorkerUnavailableError,
 )
+from pdserve.common.ids import DeploymentId
+from pdserve.common.stats import WorkerInfo
 from pdserve.rpc import convert
 from pdserve.rpc.gen import worker_pb2_grpc
 from pdserve.rpc.worker_client import GrpcBackend
@@ -29,8 +31,9 @@ def run(scenario: Coroutine[Any, Any, None]) -> None:
 
 
 @asynccontextmanager
-async def serving(engine: FakeEngine, **timeouts: float) -> AsyncIterator[tuple[WorkerServer, GrpcBackend]]:
-    server = WorkerServer(engine, "127.0.0.1", 0)
+async def serving(engine: FakeEngine, deployment_id: DeploymentId | None = None,
+                  **timeouts: float) -> AsyncIterator[tuple[WorkerServer, GrpcBackend]]:
+    server = WorkerServer(engine, "127.0.0.1", 0, deployment_id=deployment_id)
     port = await server.start()
     backend = GrpcBackend(f"127.0.0.1:{port}", **timeouts)
     try:
@@ -171,11 +174,19 @@ def test_abort_stats_info_and_health_round_trip() -> None:
         async with serving(engine) as (_, backend):
             await backend.abort(make_request("gone").request_id)
             assert await backend.stats() == STATS
-            assert await backend.info() == INFO
+            assert await backend.info() == WorkerInfo(INFO, deployment_id=None)
             assert await backend.is_serving() is True
             engine.stats_error = RuntimeError("device lost")
             assert await backend.is_serving() is False
         assert engine.aborted == ["gone"]
+
+    run(scenario())
+
+
+def test_info_names_the_deployment_the_worker_was_started_in() -> None:
+    async def scenario() -> None:
+        async with serving(FakeEngine(), DeploymentId("serve-1a2b")) as (_, backend):
+            assert await backend.info() == WorkerInfo(INFO, DeploymentId("serve-1a2b"))
 
     run(scenario())
 

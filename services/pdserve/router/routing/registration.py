@@ -3,15 +3,27 @@
 The router computes prompt block keys itself and looks them up in the workers' events, so a
 worker with another model, block size or block-key algorithm would never match: a silent
 zero hit rate. Such a worker is refused by name, at start an error, later a logged refusal.
+
+A router with a deployment id admits only workers started with the same one: another launch's
+worker at an address this router was given (a second `pdserve serve` on the host, a stale
+process) would otherwise serve this router's clients. Such a worker is a logged refusal, at
+start too (the router starts on its other workers). A router without one admits any worker.
 """
 from collections.abc import Mapping
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.ids import WorkerId
+from pdserve.common.ids import DeploymentId, WorkerId
 from pdserve.common.stats import ModelInfo, WorkerRole
 
 SHARED_FIELDS = ("model_name", "tokens_per_block", "block_hash_algorithm")
 DECODE_ROLES = frozenset({WorkerRole.DECODE, WorkerRole.BOTH})
+
+
+def check_deployment(address: WorkerId, reported: DeploymentId | None, expected: DeploymentId | None) -> None:
+    """Raise ConfigError if the router has a deployment id (`expected`) and the worker another, or none."""
+    if expected is not None and reported != expected:
+        raise ConfigError(f"worker {address} deployment_id", reported or "",
+                          f"this router admits only workers of deployment {expected!r}")
 
 
 def check_worker(address: WorkerId, info: ModelInfo, hash_algorithm: str,

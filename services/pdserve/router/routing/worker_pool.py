@@ -1,7 +1,8 @@
 """The router's workers: registration, health and load.
 
-Registration is the router dialling each configured address: `GetInfo` gives the role and the
-block-key parameters, checked by `registration.py`. Then each worker's stats are polled every
+Registration is the router dialling each configured address: `GetInfo` gives the role, the
+block-key parameters and the worker's deployment, checked by `registration.py` (a worker of
+another deployment is refused, with a logged reason, and asked again while it answers). Then each worker's stats are polled every
 `poll_interval_s`. Contracts:
 - a worker is *up* (in rotation) from a successful registration until `failure_threshold`
   polls in a row fail or `mark_down` is called (its stream broke); the listener hears both;
@@ -17,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.common.errors import ConfigError, PdserveError, WorkerUnavailableError
-from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.ids import DeploymentId, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
+from pdserve.common.stats import EngineStats, ModelInfo, WorkerInfo, WorkerRole
 from pdserve.router.routing.cost import WorkerLoad
-from pdserve.router.routing.registration import DECODE_ROLES, check_all, check_worker
+from pdserve.router.routing.registration import DECODE_ROLES, check_all, check_deployment, check_worker
 from pdserve.router.routing.worker_load import Dispatch, LoadBook
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class WorkerClient(Protocol):
 
     async def stats(self) -> EngineStats: ...
 
-    async def info(self) -> ModelInfo: ...
+    async def info(self) -> WorkerInfo: ...
 
     async def close(self) -> None: ...
 
@@ -53,6 +54,7 @@ class PoolConfig:
     poll_interval_s: float = 0.5
     failure_threshold: int = 3
     wait_timeout_s: float = 60.0  # for the workers to answer at start
+    deployment_id: DeploymentId | None = None  # admit only workers of this deployment; None: any
 
 
 @dataclass(slots=True, eq=False)
@@ -60,6 +62,7 @@ class WorkerHandle:
     address: WorkerId
     client: WorkerClient
     info: ModelInfo | None = None  # last registration; None before the first
+    deployment_id: DeploymentId | None = None  # as the worker reported it at its last registration
     is_up: bool = False
     num_failures: int = 0
     refusal: str | None = None  # why an answering worker is kept out
@@ -92,25 +95,27 @@ class WorkerPool:
         """Register every worker that answers within `wait_timeout_s`, bring them up, start polling.
 
         Raises ConfigError naming the worker and field of a mismatch, and WorkerUnavailableError
-        if no decode-capable worker answered. Returns the registered workers' infos."""
+        if no decode-capable worker answered (and was not refused for its deployment). Returns
+        the registered workers' infos."""
         deadline = self._clock() + self._config.wait_timeout_s
-        while missing := [h for h in self.handles.values() if h.info is None]:
+        while missing := [h for h in self.handles.values() if h.info is None and h.refusal is None]:
             await asyncio.gather(*(self._ask_info(h) for h in missing))
             if self._clock() + _RETRY_S > deadline:
                 break
-            if any(h.info is None for h in missing):
+            if any(h.info is None and h.refusal is None for h in missing):
                 await asyncio.sleep(_RETRY_S)
         infos = {h.address: h.info for h in self.handles.values() if h.info is not None}
         check_all(infos, self._hash_algorithm)
         if not any(i.role in DECODE_ROLES for i in infos.values()):
+            refused = "".join(f"; refused {h.refusal}" for h in self.handles.values() if h.refusal)
             raise WorkerUnavailableError(",".join(self.handles), f"no decode or aggregated worker answered "
-                                         f"within {self._config.wait_timeout_s:g} s")
+                                         f"within {self._config.wait_timeout_s:g} s{refused}")
         self._reference = min(infos.items())
         for handle in self.handles.values():
-            if handle.info is None:
-                log.warning("worker %s did not answer at start; it joins when it does", handle.address)
-            else:
+            if handle.info is not None:
                 self._bring_up(handle)
+            elif handle.refusal is None:
+                log.warning("worker %s did not answer at start; it joins when it does", handle.address)
         await asyncio.gather(*(self.poll(h) for h in self.handles.values() if h.is_up))  # first loads
         self._watchers = [asyncio.create_task(self._watch(h), name=f"watch-{h.address}")
                           for h in self.handles.values()]
@@ -196,24 +201,38 @@ class WorkerPool:
 
     async def _ask_info(self, handle: WorkerHandle) -> None:
         try:
-            handle.info = await handle.client.info()
+            reply = await handle.client.info()
+            check_deployment(handle.address, reply.deployment_id, self._config.deployment_id)
+        except ConfigError as exc:
+            self._refuse(handle, exc)
+            return
         except PdserveError as exc:
             log.debug("worker %s: no info yet: %s", handle.address, exc)
+            return
+        handle.info, handle.deployment_id = reply.model, reply.deployment_id
 
     async def _rejoin(self, handle: WorkerHandle) -> None:
         try:
-            info = await handle.client.info()
-            check_worker(handle.address, info, self._hash_algorithm, self._reference)
-        except PdserveError as exc:
-            if isinstance(exc, ConfigError) and str(exc) != handle.refusal:
-                handle.refusal = str(exc)
-                log.error("worker %s refused: %s", handle.address, exc)
+            reply = await handle.client.info()
+            check_deployment(handle.address, reply.deployment_id, self._config.deployment_id)
+            check_worker(handle.address, reply.model, self._hash_algorithm, self._reference)
+        except ConfigError as exc:
+            self._refuse(handle, exc)
             return
-        handle.info = info
+        except PdserveError:
+            return
+        handle.info, handle.deployment_id = reply.model, reply.deployment_id
         self._bring_up(handle)
+
+    def _refuse(self, handle: WorkerHandle, reason: ConfigError) -> None:
+        """Keep an answering worker out; log why once per distinct reason."""
+        if str(reason) != handle.refusal:
+            handle.refusal = str(reason)
+            log.error("worker %s refused: %s", handle.address, reason)
 
     def _bring_up(self, handle: WorkerHandle) -> None:
         handle.is_up, handle.num_failures, handle.refusal = True, 0, None
-        log.info("worker %s (%s) in rotation", handle.address, handle.role)
+        log.info("worker %s (%s, deployment %s) in rotation", handle.address, handle.role,
+                 handle.deployment_id or "none")
         if self.listener is not None:
             self.listener.worker_up(handle)

@@ -3,9 +3,9 @@ answers (info, stats, a generation stream) and failures are set by the test."""
 from collections.abc import AsyncIterator
 
 from pdserve.common.errors import WorkerUnavailableError
-from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.ids import DeploymentId, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
+from pdserve.common.stats import EngineStats, ModelInfo, WorkerInfo, WorkerRole
 from pdserve.router.routing.worker_pool import PoolConfig, WorkerPool
 
 TPB = 4
@@ -33,9 +33,11 @@ class FakeWorker:
     """`WorkerClient`. `is_down`: every call fails as unreachable. `fail_generate_after`: the
     stream yields that many outputs, then fails as unreachable."""
 
-    def __init__(self, address: str, model_info: ModelInfo, report: EngineStats | None = None) -> None:
+    def __init__(self, address: str, model_info: ModelInfo, report: EngineStats | None = None,
+                 deployment_id: DeploymentId | None = None) -> None:
         self.address = address
         self.model_info = model_info
+        self.deployment_id = deployment_id
         self.report = report or stats()
         self.is_down = False
         self.fail_generate_after: int | None = None
@@ -46,9 +48,9 @@ class FakeWorker:
         if self.is_down:
             raise WorkerUnavailableError(self.address, "connection refused")
 
-    async def info(self) -> ModelInfo:
+    async def info(self) -> WorkerInfo:
         self._check()
-        return self.model_info
+        return WorkerInfo(self.model_info, self.deployment_id)
 
     async def stats(self) -> EngineStats:
         self._check()
@@ -81,6 +83,7 @@ class RecordingListener:
 
 
 def make_pool(workers: dict[str, FakeWorker], clock: FakeClock | None = None, threshold: int = 2,
-              wait_s: float = 0.0) -> WorkerPool:
-    config = PoolConfig(poll_interval_s=3600.0, failure_threshold=threshold, wait_timeout_s=wait_s)
+              wait_s: float = 0.0, deployment_id: DeploymentId | None = None) -> WorkerPool:
+    config = PoolConfig(poll_interval_s=3600.0, failure_threshold=threshold, wait_timeout_s=wait_s,
+                        deployment_id=deployment_id)
     return WorkerPool(list(workers), workers.__getitem__, config, HASH, clock or FakeClock())

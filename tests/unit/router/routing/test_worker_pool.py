@@ -1,11 +1,12 @@
 """The worker pool: registration checks at start, health (down after N failures, back when it
 answers, re-checked), and load counting dispatches the worker has not reported yet."""
 import asyncio
+import logging
 
 import pytest
 
 from pdserve.common.errors import ConfigError, WorkerUnavailableError
-from pdserve.common.ids import WorkerId
+from pdserve.common.ids import DeploymentId, WorkerId
 from pdserve.common.stats import WorkerRole
 from pdserve.router.routing.cost import WorkerLoad
 from pdserve.router.routing.registration import check_all, cluster_info
@@ -74,6 +75,57 @@ def test_a_worker_back_with_other_settings_stays_out() -> None:
     asyncio.run(pool.poll(pool.handles[B]))
     assert not pool.handles[B].is_up
     assert pool.handles[B].refusal == "worker b:2 tokens_per_block=8: differs from worker a:1's 4"
+
+
+OURS, THEIRS = DeploymentId("serve-ours"), DeploymentId("serve-theirs")
+
+
+def test_a_worker_of_another_deployment_is_refused_with_a_log_line_and_the_others_serve(
+        caplog: pytest.LogCaptureFixture) -> None:
+    ours, theirs = FakeWorker(A, info(), deployment_id=OURS), FakeWorker(B, info(), deployment_id=THEIRS)
+    with caplog.at_level(logging.INFO, logger="pdserve.router.routing.worker_pool"):
+        pool = started({A: ours, B: theirs}, deployment_id=OURS)
+    assert pool.listener.events == [("up", A)]
+    refusal = "worker b:2 deployment_id='serve-theirs': this router admits only workers of deployment 'serve-ours'"
+    assert pool.handles[B].refusal == refusal
+    assert f"worker b:2 refused: {refusal}" in caplog.messages
+    assert "worker a:1 (both, deployment serve-ours) in rotation" in caplog.messages
+    asyncio.run(pool.poll(pool.handles[B]))  # still answering, still refused, not logged again
+    assert [h.address for h in pool.up({WorkerRole.BOTH})] == [A]
+    assert caplog.messages.count(f"worker b:2 refused: {refusal}") == 1
+
+
+def test_a_worker_without_a_deployment_id_is_refused_by_a_router_with_one() -> None:
+    pool = started({A: FakeWorker(A, info(), deployment_id=OURS), B: FakeWorker(B, info())}, deployment_id=OURS)
+    assert pool.handles[B].refusal == ("worker b:2 deployment_id='': this router admits only workers of "
+                                       "deployment 'serve-ours'")
+
+
+def test_start_with_only_foreign_workers_fails_saying_why() -> None:
+    pool = make_pool({A: FakeWorker(A, info(), deployment_id=THEIRS)}, wait_s=60.0, deployment_id=OURS)
+    with pytest.raises(WorkerUnavailableError) as err:
+        asyncio.run(pool.start())  # at once: a refused worker is not waited for
+    assert err.value.reason == ("no decode or aggregated worker answered within 60 s; refused worker a:1 "
+                                "deployment_id='serve-theirs': this router admits only workers of deployment "
+                                "'serve-ours'")
+
+
+def test_a_router_without_a_deployment_id_admits_any_and_logs_the_id_it_saw(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="pdserve.router.routing.worker_pool"):
+        pool = started({A: FakeWorker(A, info(), deployment_id=THEIRS), B: FakeWorker(B, info())})
+    assert pool.listener.events == [("up", A), ("up", B)]
+    assert [m for m in caplog.messages if "in rotation" in m] == [
+        "worker a:1 (both, deployment serve-theirs) in rotation", "worker b:2 (both, deployment none) in rotation"]
+
+
+def test_a_restarted_worker_of_another_deployment_stays_out() -> None:
+    b = FakeWorker(B, info(), deployment_id=OURS)
+    pool = started({A: FakeWorker(A, info(), deployment_id=OURS), B: b}, deployment_id=OURS)
+    pool.mark_down(B, "stream broke")
+    b.deployment_id = THEIRS  # another launch took the port
+    asyncio.run(pool.poll(pool.handles[B]))
+    assert not pool.handles[B].is_up
+    assert pool.handles[B].refusal is not None and "deployment_id='serve-theirs'" in pool.handles[B].refusal
 
 
 def test_probe_takes_an_unreachable_worker_out_at_once() -> None:

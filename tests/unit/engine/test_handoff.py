@@ -1,6 +1,9 @@
 """KV handoff between a prefill-only engine and a decode engine (token-store stand-in, copied KV)."""
+import pytest
+
 from pdserve.common.ids import RequestId
-from tests.unit.engine.test_llm_engine import make_engine, reference, request
+from pdserve.common.request import GenerationRequest, SamplingParams
+from tests.unit.engine.test_llm_engine import make_engine, reference, request, run
 
 
 def _prefill(p_engine, req):
@@ -24,22 +27,35 @@ def _decode(d_engine, rid):
     return tokens
 
 
+def _disaggregated(p, d, req) -> list[int]:
+    """`req`'s tokens prefilled on `p`, its KV copied into `d`'s reserved blocks, decoded on `d`."""
+    rid = req.request_id
+    claim = d.reserve_remote(req, lease_s=5.0)
+    first = _prefill(p, req)
+    src = p.held_block_ids(rid)
+    start = claim.num_cached_tokens // 4
+    _copy_kv(p, d, src[start:], claim.block_ids[start:])
+    p.release_held(rid)
+    outs = d.complete_remote(rid, first)
+    return list(outs[0].token_ids) + _decode(d, rid)
+
+
 def test_prefill_then_decode_equals_aggregated():
     prompt = list(range(10, 31))
     p, d = make_engine(), make_engine()
-    req = request("r", prompt, max_tokens=8)
-    claim = d.reserve_remote(req, lease_s=5.0)
-    first = _prefill(p, req)
-    src = p.held_block_ids(RequestId("r"))
-    start = claim.num_cached_tokens // 4
-    _copy_kv(p, d, src[start:], claim.block_ids[start:])
-    p.release_held(RequestId("r"))
-    outs = d.complete_remote(RequestId("r"), first)
-    tokens = list(outs[0].token_ids) + _decode(d, "r")
-    assert tokens == reference(prompt, 8)
+    assert _disaggregated(p, d, request("r", prompt, max_tokens=8)) == reference(prompt, 8)
     assert p.kv.num_used_blocks == 0 and d.kv.num_used_blocks == 0
     p.kv.check_integrity()
     d.kv.check_integrity()
+
+
+@pytest.mark.parametrize("seed", [0, 11, 12345])
+def test_seeded_sampling_gives_the_same_tokens_disaggregated_and_aggregated(seed):
+    prompt = list(range(10, 31))
+    req = GenerationRequest(RequestId("r"), tuple(prompt), SamplingParams(max_tokens=8, temperature=20.0, seed=seed))
+    aggregated, _ = run(make_engine(), [req])
+    assert aggregated[("r", 0)] != reference(prompt, 8)  # a hot temperature: sampling, not greedy
+    assert _disaggregated(make_engine(), make_engine(), req) == aggregated[("r", 0)]
 
 
 def test_only_missing_blocks_move_when_decode_holds_the_prefix():
@@ -101,3 +117,4 @@ def test_abort_while_waiting_for_kv_frees_on_both_sides():
     assert not d.has_work
     p.kv.check_integrity()
     d.kv.check_integrity()
+

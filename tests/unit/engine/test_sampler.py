@@ -48,6 +48,30 @@ def test_seeded_request_is_reproducible_across_runs_and_batch_positions():
     assert got_other != got_alone  # a different seed gives a different stream
 
 
+def test_skipping_a_step_leaves_the_stream_where_sampling_it_would():
+    steps = [random_logits(1, seed=s) for s in range(6)]
+    params = SamplingParams(temperature=1.0, seed=3)
+    sampled, skipped = make_generator(3), make_generator(3)
+    sampler = Sampler(seed=0)
+    tokens(sampler.sample(steps[0], [SamplingRow(params, sampled)]))
+    sampler.skip(SamplingRow(params, skipped), VOCAB)  # step 0 sampled elsewhere
+    after_sampled = [tokens(sampler.sample(lg, [SamplingRow(params, sampled)]))[0] for lg in steps[1:]]
+    after_skipped = [tokens(sampler.sample(lg, [SamplingRow(params, skipped)]))[0] for lg in steps[1:]]
+    assert after_skipped == after_sampled
+    unskipped = make_generator(3)
+    assert [tokens(sampler.sample(lg, [SamplingRow(params, unskipped)]))[0] for lg in steps[1:]] != after_sampled
+
+
+def test_greedy_and_unseeded_rows_skip_nothing():
+    greedy = make_generator(3)
+    Sampler(seed=0).skip(SamplingRow(SamplingParams(temperature=0.0, seed=3), greedy), VOCAB)
+    assert torch.rand(4, generator=greedy).tolist() == torch.rand(4, generator=make_generator(3)).tolist()
+    shared = Sampler(seed=0)
+    shared.skip(SamplingRow(SamplingParams(temperature=1.0)), VOCAB)
+    assert tokens(shared.sample(random_logits(2), [SamplingRow(SamplingParams(temperature=1.0))] * 2)) == \
+        tokens(Sampler(seed=0).sample(random_logits(2), [SamplingRow(SamplingParams(temperature=1.0))] * 2))
+
+
 def test_generators_differ_per_completion_index():
     draws = [torch.rand(4, generator=make_generator(5, index)).tolist() for index in (0, 1)]
     assert draws[0] != draws[1]

@@ -130,6 +130,7 @@ class LLMEngine:
             return []
         seq.status = SeqStatus.RUNNING
         insort(self.scheduler.running, seq, key=lambda s: s.arrival)
+        self.sampler.skip(SamplingRow(seq.request.sampling, seq.generator), self.vocab_size)  # the peer's draw
         return [self._advance(seq, first_token, logprob)]
 
     def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> list[RequestOutput]:

@@ -71,6 +71,16 @@ class Sampler:
         logprobs = _logprobs(logits, chosen, [row.params.logprobs for row in rows])
         return [SampledToken(t, lp) for t, lp in zip(chosen, logprobs)]
 
+    def skip(self, row: SamplingRow, vocab: int) -> None:
+        """Advance a seeded row's stream past the draws of one sampled step, choosing nothing.
+
+        For a token sampled elsewhere from the same seed (a prefill worker's first token): the
+        row's next draw here is then the one a single worker would make. Greedy and unseeded
+        rows have no draws of their own to skip.
+        """
+        if row.generator is not None and not row.params.is_greedy:
+            self._exponentials([row], vocab, row.generator.device)
+
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """(S, vocab) logits of non-greedy rows → (S,) sampled token ids."""
         device = logits.device

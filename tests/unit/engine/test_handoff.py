@@ -1,6 +1,7 @@
 """KV handoff between a prefill-only engine and a decode engine (token-store stand-in, copied KV)."""
 import pytest
 
+from pdserve.common.errors import DuplicateRequestError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
 from tests.unit.engine.test_llm_engine import make_engine, reference, request, run
@@ -118,3 +119,39 @@ def test_abort_while_waiting_for_kv_frees_on_both_sides():
     p.kv.check_integrity()
     d.kv.check_integrity()
 
+
+def test_an_id_held_for_a_peer_is_refused_alone():
+    p = make_engine()
+    _prefill(p, request("r", list(range(10, 31))))
+    held = p.held_block_ids(RequestId("r"))
+    other = list(range(40, 60))
+    p.add_request(request("other", other))
+    with pytest.raises(DuplicateRequestError, match="'r' is in use"):
+        p.add_request(request("r", [1, 2, 3]))
+    assert _decode(p, "other") == reference(other, 8)
+    assert p.held_block_ids(RequestId("r")) == held
+    p.release_held(RequestId("r"))
+    assert p.kv.num_used_blocks == 0
+    p.kv.check_integrity()
+    p.add_request(request("r", [1, 2, 3]))  # the id is free again once its blocks are
+
+
+def test_an_id_whose_remote_prefill_was_aborted_is_refused_until_its_blocks_are_settled():
+    clock = [0.0]
+    d = make_engine()
+    d._clock = lambda: clock[0]
+    d.reserve_remote(request("r", list(range(10, 31))), lease_s=2.0)
+    d.abort(RequestId("r"))  # a write may still land: the blocks stay reserved
+    other = list(range(40, 60))
+    d.add_request(request("other", other))
+    with pytest.raises(DuplicateRequestError):
+        d.add_request(request("r", [1, 2, 3]))
+    with pytest.raises(DuplicateRequestError):
+        d.reserve_remote(request("r", [1, 2, 3]), lease_s=2.0)
+    assert _decode(d, "other") == reference(other, 8)
+    d.fail_remote(RequestId("r"), recompute=False, reason="aborted")  # the transfer's outcome comes in
+    clock[0] = 10.0  # past the lease: no write can land any more
+    d.reap_expired_leases()
+    assert d.kv.num_used_blocks == 0 and not d.kv.has_request(RequestId("r"))
+    d.kv.check_integrity()
+    d.add_request(request("r", [1, 2, 3]))

@@ -129,3 +129,18 @@ def test_duplicate_request_id_is_rejected():
     engine.add_request(request("a", [1, 2]))
     with pytest.raises(DuplicateRequestError):
         engine.add_request(request("a", [1, 2]))
+
+
+def test_an_id_with_the_engines_sibling_mark_is_refused_and_the_siblings_finish():
+    engine = make_engine()
+    engine.add_request(request("x", [1, 2, 3], max_tokens=4, n=2))
+    first = engine.step()  # the prompt is computed and "x#1" forked off it
+    assert engine.kv.has_request(RequestId("x#1"))
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(request("x#1", [5, 6]))
+    assert info.value.param == "request_id"
+    outputs, reasons = run(engine, [])
+    for out in first:
+        outputs[(out.request_id, out.index)] = list(out.token_ids) + outputs[(out.request_id, out.index)]
+    assert outputs == {("x", 0): reference([1, 2, 3], 4), ("x", 1): reference([1, 2, 3], 4)}
+    assert set(reasons) == {("x", 0), ("x", 1)}

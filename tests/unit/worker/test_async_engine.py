@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from pdserve.common.errors import InvalidRequestError
+from pdserve.common.errors import DuplicateRequestError, InvalidRequestError
 from pdserve.common.ids import RequestId
 from pdserve.common.stats import ModelInfo, WorkerRole
 from pdserve.worker.async_engine import ThreadedEngine
@@ -79,3 +79,33 @@ def test_call_runs_on_the_engine_thread_and_streams_outputs(threaded):
                 return tokens
 
     assert asyncio.run(main()) == reference([5, 6, 7], 8)
+
+
+def test_a_duplicate_id_is_refused_alone_and_the_other_streams_finish(threaded):
+    prompts = {"a": list(range(10, 30)), "x": [5, 6, 7]}
+
+    async def refused(req, error):
+        with pytest.raises(error) as info:
+            async for _ in threaded.generate(req):
+                pass
+        return str(info.value)
+
+    async def main():
+        a = threaded.generate(request("a", prompts["a"], max_tokens=30, ignore_eos=True))
+        x = threaded.generate(request("x", prompts["x"], max_tokens=30, n=2, ignore_eos=True))
+        firsts = [await a.__anext__(), await x.__anext__()]  # both admitted and past their prefill
+        duplicate = await refused(request("a", [1, 2]), DuplicateRequestError)
+        sibling = await refused(request("x#1", [1, 2]), InvalidRequestError)
+        tokens: dict[tuple, list[int]] = {}
+        reasons = {}
+        for out in firsts + [out async for out in a] + [out async for out in x]:
+            tokens.setdefault((out.request_id, out.index), []).extend(out.token_ids)
+            reasons[(out.request_id, out.index)] = out.finish_reason
+        return duplicate, sibling, tokens, reasons, await threaded.check_integrity()
+
+    duplicate, sibling, tokens, reasons, integrity = asyncio.run(main())
+    assert "'a' is in use" in duplicate and "'x#1'" in sibling
+    assert tokens == {("a", 0): reference(prompts["a"], 30, eos=None), ("x", 0): reference(prompts["x"], 30, eos=None),
+                      ("x", 1): reference(prompts["x"], 30, eos=None)}
+    assert set(reasons.values()) == {"length"}
+    assert (integrity.ok, integrity.num_used_blocks) == (True, 0)

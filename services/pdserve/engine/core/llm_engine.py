@@ -25,6 +25,11 @@ from pdserve.engine.core.sequence import Sequence, SeqStatus
 from pdserve.engine.core.stopping import finish_reason_after
 from pdserve.kvcache import ClaimResult, KvCacheManager
 
+# Request ids never contain these: the engine derives its KV sequence ids from a request id with
+# them (a sibling completion's "<id>#<index>", a retry's "<id>~<n>"), so no two requests' sequences
+# can share an id inside a step's batch.
+RESERVED_ID_MARKS = ("#", "~")
+
 
 class LLMEngine:
     """Owns the sequences of every live request; not thread-safe (one thread drives it)."""
@@ -182,8 +187,7 @@ class LLMEngine:
 
     def _validate(self, request: GenerationRequest) -> None:
         prompt = request.prompt_token_ids
-        if request.request_id in self._requests:
-            raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+        self._check_id_free(request.request_id)
         if not prompt:
             raise InvalidRequestError("prompt must contain at least one token", "prompt")
         if any(not 0 <= t < self.vocab_size for t in prompt):
@@ -195,6 +199,17 @@ class LLMEngine:
                 f"max_model_len {max_len}", "max_tokens")
         if not 1 <= request.sampling.n <= self.config.max_num_seqs:
             raise InvalidRequestError(f"n={request.sampling.n}: must be in 1..{self.config.max_num_seqs}", "n")
+
+    def _check_id_free(self, request_id: RequestId) -> None:
+        """InvalidRequestError for an id with a reserved mark; DuplicateRequestError while it names
+        a live request or blocks the KV manager still holds under it (kept for a peer, or a
+        transfer not yet settled). Refused here, alone, never left for a step's batch to trip over."""
+        if any(mark in request_id for mark in RESERVED_ID_MARKS):
+            raise InvalidRequestError(f"request id {request_id!r} contains one of {''.join(RESERVED_ID_MARKS)!r}, "
+                                      "reserved for the engine's own sequence ids", "request_id")
+        if request_id in self._requests or request_id in self._handoffs or self.kv.has_request(request_id):
+            raise DuplicateRequestError(f"request id {request_id!r} is in use on this worker (a live request, "
+                                        "or KV blocks still held under it)")
 
     def _new_sequence(self, request: GenerationRequest, index: int, token_ids: list[int]) -> Sequence:
         seq_id = request.request_id if index == 0 else RequestId(f"{request.request_id}#{index}")

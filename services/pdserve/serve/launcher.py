@@ -1,6 +1,7 @@
 """`pdserve serve`: the router and its workers (prefill + decode, or role both), as processes.
 
-Starts every worker at once and waits (bounded) for each one's gRPC health, starts the router
+A port it was told to use (`--port`, `--worker-port`, `--metrics-port`) that another process
+holds is a one-line error before anything starts. Starts every worker at once and waits (bounded) for each one's gRPC health, starts the router
 with one `--worker` per worker and waits for its HTTP `/health`, prints the URL, the topology
 and a curl line, then watches them all. Ctrl-C or SIGTERM stops every process (router first);
 a child that dies stops the others and makes `serve` exit 1 with one line. Each child is
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 
 from pdserve.common.errors import ConfigError
+from pdserve.common.ports import check_port_free
 from pdserve.serve.settings import ServeSettings, resolve_serve_settings
 from pdserve.common.settings import WorkerSettings, child_environ, to_argv
 from pdserve.common.stats import WorkerRole
@@ -65,8 +67,17 @@ def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
     return [[worker_spec(command, worker) for worker in settings.workers], [router]]
 
 
+def check_ports(settings: ServeSettings) -> None:
+    """Raise ConfigError naming the flag of the first port to be used that is taken."""
+    check_port_free("--port", settings.router.host, settings.router.port)
+    for worker in settings.workers:
+        check_port_free("--worker-port", worker.host, worker.port)
+        if worker.metrics_port:
+            check_port_free("--metrics-port", worker.host, worker.metrics_port)
+
+
 def topology_lines(settings: ServeSettings) -> list[str]:
-    lines = [f"  router   {base_url(settings)}"]
+    lines = [f"  router   {base_url(settings)}  deployment {settings.router.deployment_id}"]
     for worker in settings.workers:
         port = worker.metrics_port
         metrics = "" if port is None else f"  metrics port {port}" if port else "  metrics on a free port"
@@ -107,6 +118,7 @@ def run(stages: list[list[ChildSpec]], banner: str, supervisor: Supervisor) -> i
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = resolve_serve_settings(argv)
+        check_ports(settings)
     except ConfigError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2

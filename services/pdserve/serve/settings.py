@@ -3,15 +3,20 @@
 Serve takes the router's flags (`--host`/`--port` are HTTP), the worker flags (their gRPC
 address is `--worker-host`/`--worker-port`), the topology flags (`--prefill N --decode M`, or
 `--aggregated` / `--workers K`) and the launcher's own. Flags router and worker share
-(`--model`, `--served-model-name`, `--cache-dir`, `--log-level`) set both. Worker i listens on
-`--worker-port` + i (and `--metrics-port` + i when given); prefill workers come first.
+(`--model`, `--served-model-name`, `--cache-dir`, `--log-level`, `--deployment-id`) set both.
+Workers take free ports unless `--worker-port` is given (then worker i listens on
+`--worker-port` + i); metrics on `--metrics-port` + i when given; prefill workers come first.
+Each launch is a deployment of its own: a fresh id unless `--deployment-id` is given, so its
+router admits only its own workers, never those of another `pdserve serve` on the host.
 """
 import dataclasses
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pdserve.common import config_options as cv
 from pdserve.common.errors import ConfigError
+from pdserve.common.ports import free_ports
 from pdserve.common.settings import (
     RouterSettings,
     Target,
@@ -29,6 +34,11 @@ from pdserve.common.stats import WorkerRole
 SHARED_MACHINE_NUM_THREADS = 1
 
 _WORKER_FLAGS = {"host": "worker-host", "port": "worker-port"}
+_SERVE_HELP = {  # where serve's meaning differs from the router's or the worker's
+    "worker-port": "first worker's gRPC port; worker i takes this + i (default or 0: free ports)",
+    "deployment-id": "names this launch to its router and workers; the router admits only workers of "
+                     "the same id (default: a fresh id per launch)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,31 +96,46 @@ class ServeSettings:
         check(len(set(addresses)) == len(addresses), "worker", addresses, "each worker needs its own port")
         check(self.router.workers == addresses, "worker", self.router.workers,
               f"serve's router calls its own workers at {','.join(addresses)}")
+        deployments = {w.deployment_id for w in self.workers}
+        check(deployments == {self.router.deployment_id}, "deployment_id", sorted(map(str, deployments)),
+              f"serve's workers belong to its router's deployment {self.router.deployment_id!r}")
 
 
-def worker_fleet(base: WorkerSettings, roles: Sequence[WorkerRole]) -> tuple[WorkerSettings, ...]:
-    """Worker i: `roles[i]` on port `base.port` + i, metrics on `base.metrics_port` + i (0 stays
-    0: any free port). Several workers get SHARED_MACHINE_NUM_THREADS unless `base` sets it."""
+def worker_ports(base: WorkerSettings, num_workers: int) -> tuple[int, ...]:
+    """`base.port` + i for worker i; `base.port` 0: a free port each (serve's default)."""
+    if not base.port:
+        return free_ports(base.host, num_workers)
+    check(base.port + num_workers <= 65536, "port", base.port, f"{num_workers} workers need ports up to 65535")
+    return tuple(base.port + i for i in range(num_workers))
+
+
+def worker_fleet(base: WorkerSettings, roles: Sequence[WorkerRole],
+                 ports: Sequence[int]) -> tuple[WorkerSettings, ...]:
+    """Worker i: `roles[i]` on `ports[i]`, metrics on `base.metrics_port` + i (0 stays 0: any
+    free port). Several workers get SHARED_MACHINE_NUM_THREADS unless `base` sets it."""
     threads = base.num_threads or (SHARED_MACHINE_NUM_THREADS if len(roles) > 1 else None)
-    check(base.port > 0, "port", base.port, "serve gives its router fixed worker ports; must be > 0")
-    check(base.port + len(roles) <= 65536, "port", base.port, f"{len(roles)} workers need ports up to 65535")
     metrics = base.metrics_port
     check(not metrics or metrics + len(roles) <= 65536, "metrics_port", metrics,
           f"{len(roles)} workers need ports up to 65535")
     return tuple(
-        dataclasses.replace(base, role=role, port=base.port + i, num_threads=threads,
+        dataclasses.replace(base, role=role, port=port, num_threads=threads,
                             metrics_port=metrics + i if metrics else metrics)
-        for i, role in enumerate(roles)
+        for i, (role, port) in enumerate(zip(roles, ports, strict=True))
     )
 
 
+def new_deployment_id() -> str:
+    return f"serve-{secrets.token_hex(6)}"
+
+
 def _serve_options() -> list[cv.Option]:
-    return cv.merged(
+    options = cv.merged(
         cv.options_of(RouterSettings, "router", skip=("workers",))
         + cv.options_of(WorkerSettings, "worker", rename=_WORKER_FLAGS, skip=("role", "worker_id"))
         + cv.options_of(ServeTopology, "topology")
         + cv.options_of(ServeSettings, "serve")
     )
+    return [dataclasses.replace(o, help=_SERVE_HELP.get(o.flag, o.help)) for o in options]
 
 
 def _named(error: ConfigError, options: list[cv.Option], labels: dict[Target, str]) -> ConfigError:
@@ -122,13 +147,18 @@ def _named(error: ConfigError, options: list[cv.Option], labels: dict[Target, st
 
 def resolve_serve_settings(argv: Sequence[str] | None = None,
                            environ: Mapping[str, str] | None = None) -> ServeSettings:
-    """`pdserve serve`'s settings; as `resolve_worker_settings`."""
+    """`pdserve serve`'s settings; as `resolve_worker_settings`. Picks the free worker ports and
+    the fresh deployment id where the user gave none."""
     options = _serve_options()
     values, labels = resolve_sources("pdserve serve", options, argv, environ)
+    values.setdefault(("worker", "port"), 0)  # free ports, where a lone worker's default is 50051
+    deployment_id = values.get(("router", "deployment_id")) or new_deployment_id()
+    values.update({("router", "deployment_id"): deployment_id, ("worker", "deployment_id"): deployment_id})
     topology = build_section(ServeTopology, "topology", options, values, labels)
     base = build_section(WorkerSettings, "worker", options, values, labels)
     try:
-        workers = worker_fleet(base, topology.roles())
+        roles = topology.roles()
+        workers = worker_fleet(base, roles, worker_ports(base, len(roles)))
     except ConfigError as exc:
         raise _named(exc, options, labels) from None
     router = build_section(RouterSettings, "router", options, values, labels,

@@ -7,6 +7,7 @@ import sys
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
+from pdserve.common.ports import check_port_free
 from pdserve.common.settings import WorkerSettings, apply_worker_runtime_defaults, resolve_worker_settings
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
@@ -79,9 +80,17 @@ async def run_worker(settings: WorkerSettings) -> None:
         engine.stop()
 
 
+def check_ports(settings: WorkerSettings) -> None:
+    """A port in use is an error now, not after the model has loaded (minutes for a large one)."""
+    for flag, port in (("--port", settings.port), ("--metrics-port", settings.metrics_port)):
+        if port:
+            check_port_free(flag, settings.host, port)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = resolve_worker_settings(argv)
+        check_ports(settings)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         asyncio.run(run_worker(settings))

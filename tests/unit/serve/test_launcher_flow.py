@@ -96,13 +96,14 @@ def test_each_worker_and_the_router_get_every_setting_as_a_flag_and_no_pdserve_e
 
 def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> None:
     settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--host", "0.0.0.0", "--port", "9000",
-                                       "--prefill", "1", "--decode", "1", "--metrics-port", "9100"], {})
+                                       "--prefill", "1", "--decode", "1", "--metrics-port", "9100",
+                                       "--worker-port", "50051", "--deployment-id", "shop-a"], {})
     lines = ready_banner(settings).splitlines()
     curl = shlex.split(lines[-1])
     assert lines[:-1] == [
         "pdserve is ready at http://127.0.0.1:9000 (model tiny); Ctrl-C stops it.",
         "Topology:",
-        "  router   http://127.0.0.1:9000",
+        "  router   http://127.0.0.1:9000  deployment shop-a",
         "  prefill  127.0.0.1:50051  metrics port 9100",
         "  decode   127.0.0.1:50052  metrics port 9101",
         "  torch threads per worker: 1 (--num-threads sets it)",
@@ -114,9 +115,10 @@ def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> No
 
 
 def test_banner_of_one_aggregated_worker_leaves_threads_to_torch() -> None:
-    settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--aggregated"], {})
+    settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--aggregated", "--worker-port", "50051",
+                                       "--deployment-id", "shop-a"], {})
     assert ready_banner(settings).splitlines()[2:5] == [
-        "  router   http://127.0.0.1:8000",
+        "  router   http://127.0.0.1:8000  deployment shop-a",
         "  both     127.0.0.1:50051",
         "  torch threads per worker: torch's default (--num-threads sets it)",
     ]

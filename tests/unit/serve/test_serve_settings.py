@@ -2,6 +2,7 @@
 import pytest
 
 from pdserve.common.errors import ConfigError
+from pdserve.common.ports import is_port_free
 from pdserve.serve.settings import ServeSettings, ServeTopology, resolve_serve_settings
 from pdserve.common.settings import RouterSettings, WorkerSettings
 from pdserve.common.stats import WorkerRole
@@ -52,7 +53,32 @@ def test_aggregated_serves_role_both_workers() -> None:
 def test_default_topology_is_one_prefill_and_one_decode_worker_with_a_thread_each() -> None:
     settings = resolve_serve_settings([], NO_ENV)
     assert roles_of(settings) == [P, D]
-    assert [(w.port, w.num_threads) for w in settings.workers] == [(50051, 1), (50052, 1)]
+    assert [w.num_threads for w in settings.workers] == [1, 1]
+
+
+@pytest.mark.parametrize("argv", [[], ["--worker-port", "0"]])
+def test_workers_take_free_ports_unless_told_otherwise(argv: list[str]) -> None:
+    settings = resolve_serve_settings(["--workers", "3", *argv], NO_ENV)
+    ports = [w.port for w in settings.workers]
+    assert len(set(ports)) == 3 and all(port > 0 for port in ports)
+    assert all(is_port_free("127.0.0.1", port) for port in ports)
+    assert settings.router.workers == tuple(f"127.0.0.1:{port}" for port in ports)
+
+
+def test_each_launch_is_a_deployment_of_its_own_unless_one_is_given() -> None:
+    first, second = resolve_serve_settings([], NO_ENV), resolve_serve_settings([], NO_ENV)
+    assert first.router.deployment_id != second.router.deployment_id
+    for settings in (first, second):
+        assert {w.deployment_id for w in settings.workers} == {settings.router.deployment_id}
+    given = resolve_serve_settings(["--deployment-id", "shop-a"], NO_ENV)
+    assert [given.router.deployment_id] + [w.deployment_id for w in given.workers] == ["shop-a"] * 3
+
+
+def test_serve_settings_refuse_a_worker_of_another_deployment() -> None:
+    worker = WorkerSettings(model="m", port=6000, deployment_id="b")
+    with pytest.raises(ConfigError) as caught:
+        ServeSettings(RouterSettings(model="m", workers=(worker.address,), deployment_id="a"), (worker,))
+    assert caught.value.field == "deployment_id"
 
 
 def test_several_workers_get_one_thread_each_unless_set() -> None:
@@ -74,7 +100,6 @@ def test_metrics_port_zero_lets_each_worker_pick() -> None:
     (["--prefill", "-1"], NO_ENV, "--prefill", "must be >= 0"),
     (["--workers", "2"], {"PDSERVE_WORKER_PORT": "65535"}, "PDSERVE_WORKER_PORT",
      "2 workers need ports up to 65535"),
-    (["--worker-port", "0"], NO_ENV, "--worker-port", "serve gives its router fixed worker ports; must be > 0"),
     (["--workers", "3", "--metrics-port", "65534"], NO_ENV, "--metrics-port", "3 workers need ports up to 65535"),
     (["--worker-port", "99999"], NO_ENV, "--worker-port", "must be in 0..65535"),
 ])

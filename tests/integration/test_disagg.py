@@ -6,8 +6,10 @@ Requests go to the decode worker's gRPC service with `prefill_worker` set, as th
 import asyncio
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
+from pdserve.common.errors import DuplicateRequestError, InvalidRequestError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
 from pdserve.rpc.worker_client import GrpcBackend
@@ -84,6 +86,73 @@ def test_disaggregated_outputs_equal_aggregated_for_mixed_lengths(workers):
     disagg, agg = asyncio.run(run())
     assert disagg == agg
     assert all(len(t) == 8 for t in disagg)
+
+
+@pytest.mark.parametrize("seed", [7, 1234])
+def test_seeded_sampling_gives_the_same_tokens_disaggregated_and_aggregated(workers, seed):
+    addr = workers["addr"]
+    prompts = [_prompt(s, n) for s, n in zip((500, 501, 502), (17, 75, 130))]
+    sampling = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+
+    def seeded(rid: str, prompt: list[int]) -> GenerationRequest:
+        return GenerationRequest(RequestId(rid), tuple(prompt), sampling)
+
+    async def run():
+        disagg = asyncio.gather(*(_generate(addr["decode"], seeded(f"sd{seed}-{i}", p), addr["prefill"])
+                                  for i, p in enumerate(prompts)))
+        agg = asyncio.gather(*(_generate(addr["both"], seeded(f"sa{seed}-{i}", p)) for i, p in enumerate(prompts)))
+        greedy = asyncio.gather(*(_generate(addr["both"], _request(f"sg{seed}-{i}", p, 12))
+                                  for i, p in enumerate(prompts)))
+        return await disagg, await agg, await greedy
+
+    disagg, agg, greedy = asyncio.run(run())
+    assert disagg == agg
+    assert agg != greedy  # the seed drives real sampling, not a greedy pick
+    assert all(len(t) == 12 for t in disagg)
+
+
+def test_a_duplicate_id_is_refused_alone_and_the_other_streams_finish(workers):
+    """Over the wire: ALREADY_EXISTS for an id in use, INVALID_ARGUMENT for one that would alias a
+    sibling's sequence; the streams already running on the decode worker are untouched."""
+    addr = workers["addr"]
+    max_tokens = 400  # long enough to be running when the duplicates arrive
+
+    def long(rid: str, seed: int, n: int = 1) -> GenerationRequest:
+        return GenerationRequest(RequestId(rid), tuple(_prompt(seed, 40)),
+                                 SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n))
+
+    async def refused(backend: GrpcBackend, request: GenerationRequest, prefill_worker: str | None):
+        with pytest.raises((DuplicateRequestError, InvalidRequestError)) as info:
+            async for _ in backend.generate(request, prefill_worker):
+                pass
+        return info.value
+
+    async def run():
+        backend = GrpcBackend(addr["decode"])
+        try:
+            remote = backend.generate(long("dup-a", 600), addr["prefill"])  # prefilled on the prefill worker
+            local = backend.generate(long("dup-x", 601, n=2))  # n > 1: prefilled here, "dup-x#1" forked
+            outputs = [await remote.__anext__(), await local.__anext__()]
+            duplicate = await refused(backend, long("dup-a", 602), addr["prefill"])
+            alias = await refused(backend, long("dup-x#1", 603), None)
+            outputs += [out async for out in remote] + [out async for out in local]
+            return duplicate, alias, outputs
+        finally:
+            await backend.close()
+
+    duplicate, alias, outputs = asyncio.run(run())
+    assert isinstance(duplicate, DuplicateRequestError) and "'dup-a' is in use" in str(duplicate)
+    assert duplicate.__cause__.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert isinstance(alias, InvalidRequestError) and alias.param == "request_id"
+    assert alias.__cause__.code() == grpc.StatusCode.INVALID_ARGUMENT
+    counts: dict[tuple, int] = {}
+    for out in outputs:
+        assert out.finish_reason in (None, "length"), out
+        counts[(out.request_id, out.index)] = counts.get((out.request_id, out.index), 0) + len(out.token_ids)
+    assert counts == {("dup-a", 0): max_tokens, ("dup-x", 0): max_tokens, ("dup-x", 1): max_tokens}
+    for role in ("prefill", "decode"):
+        report = asyncio.run(_integrity(addr[role]))
+        assert (report.ok, report.error, report.num_held_for_peer, report.num_used_blocks) == (True, "", 0, 0)
 
 
 def test_shared_prefix_moves_only_the_blocks_the_decode_worker_lacks(workers):

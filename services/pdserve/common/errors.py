@@ -51,6 +51,11 @@ class IncompatiblePeerError(TransferError):
     """A peer's KV layout does not match ours; no bytes were moved."""
 
 
+class UnknownPeerError(TransferError):
+    """A prefill order names a decode worker this prefill worker has no handshake with (it
+    restarted since): refused before computing anything, so no bytes were moved."""
+
+
 class WorkerUnavailableError(PdserveError):
     """A worker cannot be reached, or is shutting down (HTTP 503)."""
 

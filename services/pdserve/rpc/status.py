@@ -13,6 +13,7 @@ from pdserve.common.errors import (
     OutOfBlocksError,
     PdserveError,
     TransferError,
+    UnknownPeerError,
     UnknownRequestError,
     WorkerError,
     WorkerTimeoutError,
@@ -20,6 +21,8 @@ from pdserve.common.errors import (
 )
 
 PARAM_KEY = "pdserve-param"  # trailing metadata: the request field an INVALID_ARGUMENT names
+KIND_KEY = "pdserve-error"  # trailing metadata: which of the errors sharing a code this is
+UNKNOWN_PEER = "unknown-peer"
 
 _CODES: tuple[tuple[type[PdserveError], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -28,6 +31,7 @@ _CODES: tuple[tuple[type[PdserveError], grpc.StatusCode], ...] = (
     (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (IncompatiblePeerError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnknownPeerError, grpc.StatusCode.FAILED_PRECONDITION),
     (TransferError, grpc.StatusCode.ABORTED),
 )
 
@@ -37,8 +41,11 @@ Metadata = tuple[tuple[str, str], ...]
 def status_of(exc: PdserveError) -> tuple[grpc.StatusCode, str, Metadata]:
     """The code, details and trailing metadata a worker answers `exc` with."""
     code = next((c for kind, c in _CODES if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
-    param = exc.param if isinstance(exc, InvalidRequestError) else None
-    return code, str(exc), () if param is None else ((PARAM_KEY, param),)
+    if isinstance(exc, InvalidRequestError) and exc.param is not None:
+        return code, str(exc), ((PARAM_KEY, exc.param),)
+    if isinstance(exc, UnknownPeerError):
+        return code, str(exc), ((KIND_KEY, UNKNOWN_PEER),)
+    return code, str(exc), ()
 
 
 def error_from_status(
@@ -60,6 +67,8 @@ def error_from_status(
         return DuplicateRequestError(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return UnknownRequestError(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and dict(metadata).get(KIND_KEY) == UNKNOWN_PEER:
+        return UnknownPeerError(f"{address}: {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return IncompatiblePeerError(f"{address}: {details}")
     if code == grpc.StatusCode.ABORTED:

@@ -119,6 +119,10 @@ class KvTransportBase(KvTransport, Generic[Token]):
             self._connect(peer)
             self._peers[peer_id] = peer
 
+    def has_peer(self, peer_id: WorkerId) -> bool:
+        with self._lock:
+            return peer_id in self._peers
+
     def remove_peer(self, peer_id: WorkerId) -> None:
         with self._lock:
             if peer_id in self._peers:

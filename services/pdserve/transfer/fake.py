@@ -28,6 +28,10 @@ class Fault(enum.Enum):
     """Transfers to the peer are posted, then report failure; no byte moves."""
     STALL = "stall"
     """Transfers to the peer never complete (they fail only by deadline)."""
+    LATE = "late"
+    """Transfers to the peer report failure, yet their bytes land later, when the test calls
+    `FakeFabric.land_late_writes()`: a failed or cancelled transfer is no proof that no byte
+    arrives."""
 
 
 class FakeFabric:
@@ -36,10 +40,24 @@ class FakeFabric:
     def __init__(self) -> None:
         self._workers: dict[WorkerId, FakeTransport] = {}
         self._faults: dict[WorkerId, Fault] = {}
+        self._late: list[tuple[FakeTransport, FakeTransfer]] = []
 
     def inject(self, worker_id: WorkerId, fault: Fault) -> None:
         """Transfers with `worker_id` misbehave as `fault` says from now on."""
         self._faults[worker_id] = fault
+
+    def late_write_targets(self) -> list[tuple[WorkerId, list[int]]]:
+        """(peer, its block ids) of each LATE write still to land."""
+        return [(token.peer_id, token.pairs.remote.tolist()) for _, token in self._late if token.op == "WRITE"]
+
+    def land_late_writes(self) -> int:
+        """Let every LATE transfer's bytes arrive now; how many transfers landed."""
+        late, self._late = self._late, []
+        for transport, token in late:
+            peer = self.find(token.peer_id)
+            if peer is not None:
+                transport._complete(token, peer)
+        return len(late)
 
     def heal(self, worker_id: WorkerId) -> None:
         self._faults.pop(worker_id, None)
@@ -108,7 +126,9 @@ class FakeTransport(KvTransportBase[FakeTransfer]):
         peer = self.fabric.find(token.peer_id)
         if peer is None:
             raise TransferError(f"peer {token.peer_id!r} vanished mid-transfer")
-        if token.fault is Fault.FAIL:
+        if token.fault is Fault.LATE and token.polls == 1:
+            self.fabric._late.append((self, token))
+        if token.fault in (Fault.FAIL, Fault.LATE):
             raise TransferError(f"injected failure on transfer with {token.peer_id!r}")
         if token.fault is Fault.STALL or token.polls == 1:
             return TransferState.PENDING

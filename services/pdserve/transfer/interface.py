@@ -79,6 +79,10 @@ class KvTransport(ABC):
         """
 
     @abstractmethod
+    def has_peer(self, peer_id: WorkerId) -> bool:
+        """Whether `peer_id` was added (and not removed since)."""
+
+    @abstractmethod
     def remove_peer(self, peer_id: WorkerId) -> None:
         """Forget a peer (unknown ids are ignored). Its pending transfers become FAILED."""
 

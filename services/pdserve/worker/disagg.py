@@ -9,6 +9,12 @@
 
 Every wait is bounded: the prefill call by `transfer_timeout_s`, the reserved blocks by a
 lease of `transfer_timeout_s + lease_grace_s`, after which the engine frees them.
+
+A reserved block may receive a write until the prefill call has answered: the call therefore
+runs to its end even when the client goes away (the answer frees the blocks at once: success
+means every byte has landed), and a failed call leaves the blocks to the engine's quarantine
+until the lease ends. A prefill worker that answers "unknown peer" (it restarted) has computed
+and written nothing: we handshake again and retry once on the same blocks.
 """
 import asyncio
 import logging
@@ -17,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pdserve.common.disagg import PrefillOrder
-from pdserve.common.errors import OutOfBlocksError, PdserveError
+from pdserve.common.errors import OutOfBlocksError, PdserveError, UnknownPeerError, WorkerUnavailableError
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
@@ -47,6 +53,7 @@ class DecodeEngine:
         self._peers = peers
         self._config = config
         self._metrics = metrics
+        self._prefills: set[asyncio.Task] = set()  # remote prefills, kept to their end
 
     def info(self) -> ModelInfo:
         return self._engine.info()
@@ -69,8 +76,11 @@ class DecodeEngine:
         peer, claim = plan
         outputs = self._engine.open_stream(request.request_id, request.sampling.n)
         finished = False
+        prefill = asyncio.ensure_future(self._remote_prefill(peer, request, claim))
+        self._prefills.add(prefill)
+        prefill.add_done_callback(self._prefills.discard)
         try:
-            await self._remote_prefill(peer, request, claim)
+            await asyncio.shield(prefill)  # a client that leaves does not cut the call short
             while not finished:
                 output = await outputs.get()
                 finished = output.is_finished
@@ -116,11 +126,18 @@ class DecodeEngine:
                              self._config.transfer_timeout_s)
         start = time.perf_counter()
         try:
-            result = await peer.prefill(order, self._config.transfer_timeout_s + 1.0)
+            try:
+                result = await peer.prefill(order, self._config.transfer_timeout_s + 1.0)
+            except UnknownPeerError as exc:
+                log.info("prefill worker at %s does not know us (%s): handshaking again", peer.address, exc)
+                await self._peers.forget(peer)
+                peer = await self._peers.get(peer.address)
+                result = await peer.prefill(order, self._config.transfer_timeout_s + 1.0)
         except PdserveError as exc:
             log.warning("KV transfer for %s from %s failed: %s", request.request_id, peer.address, exc)
             self._metrics.failures.labels("received").inc()
-            await self._peers.forget(peer.address)
+            if isinstance(exc, (WorkerUnavailableError, UnknownPeerError)):
+                await self._peers.forget(peer)
             await self._engine.call(engine.fail_remote, request.request_id, self._config.recompute_on_failure,
                                     f"KV transfer from {peer.address} failed: {exc}")
             return

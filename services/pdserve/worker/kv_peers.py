@@ -1,10 +1,14 @@
 """A decode worker's connections to prefill workers: one gRPC channel and one NIXL handshake each.
 
-A peer that fails a call is forgotten (channel closed, transport peer removed), so the next
-request re-handshakes with whatever now answers at that address (it may have restarted).
+Handshakes to different addresses run independently (one lock per address), so an unreachable
+prefill worker delays only the requests sent to it. A peer that stops answering is retired:
+the next request re-handshakes with whatever now answers at that address (it may have
+restarted), while calls already in flight on the old channel finish on it — retiring a peer
+never cancels another request's prefill (and with it, a reservation a write may still reach).
 """
 import asyncio
 import logging
+from collections import defaultdict
 
 from pdserve.common.disagg import PrefillOrder, PrefillResult
 from pdserve.common.errors import PdserveError
@@ -20,12 +24,23 @@ class PrefillPeer:
         self.address = address
         self.peer_id = peer_id
         self._client = client
+        self._in_flight = 0
+        self._retired = False
 
     async def prefill(self, order: PrefillOrder, timeout_s: float) -> PrefillResult:
-        return await self._client.prefill(order, timeout_s)
+        self._in_flight += 1
+        try:
+            return await self._client.prefill(order, timeout_s)
+        finally:
+            self._in_flight -= 1
+            if self._retired and self._in_flight == 0:
+                await asyncio.shield(self._client.close())
 
-    async def close(self) -> None:
-        await self._client.close()
+    async def retire(self) -> None:
+        """No new calls; the channel closes once the calls on it have ended."""
+        self._retired = True
+        if self._in_flight == 0:
+            await self._client.close()
 
 
 class PrefillPeers:
@@ -35,28 +50,31 @@ class PrefillPeers:
         self._transport = transport
         self._rpc_timeout_s = rpc_timeout_s
         self._peers: dict[str, PrefillPeer] = {}
-        self._lock = asyncio.Lock()
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def get(self, address: str) -> PrefillPeer:
         """The connected peer at `address`; raises IncompatiblePeerError, TransferError or
         WorkerUnavailableError when it cannot be used."""
-        async with self._lock:
+        async with self._locks[address]:
             peer = self._peers.get(address)
             if peer is None:
                 peer = await self._connect(address)
                 self._peers[address] = peer
             return peer
 
-    async def forget(self, address: str) -> None:
-        async with self._lock:
-            peer = self._peers.pop(address, None)
-        if peer is not None:
-            self._transport.remove_peer(peer.peer_id)
-            await peer.close()
+    async def forget(self, peer: PrefillPeer) -> None:
+        """Retire `peer` if it is still the one cached for its address (a newer handshake
+        may have replaced it). Its NIXL registration stays: a re-handshake replaces it."""
+        async with self._locks[peer.address]:
+            if self._peers.get(peer.address) is not peer:
+                return
+            del self._peers[peer.address]
+        await peer.retire()
 
     async def close(self) -> None:
-        for address in list(self._peers):
-            await self.forget(address)
+        for peer in list(self._peers.values()):
+            await self.forget(peer)
+            self._transport.remove_peer(peer.peer_id)
 
     async def _connect(self, address: str) -> PrefillPeer:
         client = KvTransferClient(address)

@@ -2,8 +2,11 @@
 
 A prefill order runs the prompt as a prefill-only request (the engine holds its blocks after
 the first token), WRITEs the blocks the decode worker lacks into the blocks it reserved, and
-answers once every byte has landed. The held blocks are released on every path; a write never
-starts after the order's deadline, so the decode worker's lease (longer) covers it.
+answers once every byte has landed. An order from a decode worker we have no handshake with
+(we restarted since) is refused before any compute, so the decode worker re-handshakes and
+retries. A write never starts after the order's deadline, so the decode worker's lease
+(longer) covers it. The held blocks are released as soon as no transfer can read them any
+more; a transfer that cannot be stopped leaves them to the hold's lease.
 """
 import asyncio
 import logging
@@ -11,7 +14,7 @@ import time
 from contextlib import aclosing
 
 from pdserve.common.disagg import PrefillOrder, PrefillResult
-from pdserve.common.errors import InvalidRequestError, PdserveError, TransferError, WorkerError
+from pdserve.common.errors import InvalidRequestError, PdserveError, TransferError, UnknownPeerError, WorkerError
 from pdserve.common.ids import WorkerId
 from pdserve.transfer.interface import KvTransport, TransferHandle, TransferState
 from pdserve.worker.async_engine import ThreadedEngine
@@ -49,8 +52,11 @@ class PrefillService:
 
     async def _prefill(self, order: PrefillOrder) -> PrefillResult:
         deadline = time.monotonic() + order.timeout_s
+        if not self._transport.has_peer(order.decode_worker_id):
+            raise UnknownPeerError(f"no KV handshake with decode worker {order.decode_worker_id!r}: handshake again")
         first = await self._first_output(order)
         request_id = order.request.request_id
+        handle = None  # the write, while it may still read the held blocks
         try:
             held = await self._engine.call(self._engine.engine.held_block_ids, request_id)
             source = held[order.first_block:order.first_block + len(order.dest_block_ids)]
@@ -58,9 +64,22 @@ class PrefillService:
                 raise InvalidRequestError(
                     f"prompt has {len(held)} blocks; cannot send {len(order.dest_block_ids)} from block "
                     f"{order.first_block}", "dest_block_ids")
-            await self._write(order, source, deadline)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferError(f"deadline passed before writing {request_id!r}")
+            handle = self._transport.write_blocks(order.decode_worker_id, source, order.dest_block_ids, b"",
+                                                  remaining)
+            try:
+                await self._wait(handle)
+            finally:
+                self._transport.release(handle)  # stops a pending write, or raises: it cannot be stopped
+                handle = None
         finally:
-            await asyncio.shield(self._engine.call(self._engine.engine.release_held, request_id))
+            if handle is None:
+                await asyncio.shield(self._engine.call(self._engine.engine.release_held, request_id))
+            else:
+                log.warning("keeping the blocks of %s until their lease: a write reading them could not be stopped",
+                            request_id)
         num_bytes = len(source) * self._transport.spec.bytes_per_block
         logprob = first.logprobs[0] if first.logprobs else None
         return PrefillResult(first.token_ids[0], logprob, first.num_cached_tokens, len(source), num_bytes)
@@ -75,16 +94,6 @@ class PrefillService:
             raise WorkerError(f"prefill of {order.request.request_id!r} failed: "
                               f"{first.error if first else 'no output'}")
         return first
-
-    async def _write(self, order: PrefillOrder, source: list, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferError(f"deadline passed before writing {order.request.request_id!r}")
-        handle = self._transport.write_blocks(order.decode_worker_id, source, order.dest_block_ids, b"", remaining)
-        try:
-            await self._wait(handle)
-        finally:
-            self._transport.release(handle)
 
     async def _wait(self, handle: TransferHandle) -> None:
         while True:

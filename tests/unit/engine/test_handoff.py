@@ -69,14 +69,28 @@ def test_only_missing_blocks_move_when_decode_holds_the_prefix():
     assert len(claim.block_ids[claim.num_cached_tokens // 4:]) == 2
 
 
-def test_failed_transfer_frees_blocks_and_publishes_nothing():
+def test_failed_transfer_quarantines_its_blocks_until_the_lease_ends_and_publishes_nothing():
+    clock = [0.0]
     d = make_engine()
+    d._clock = lambda: clock[0]
     req = request("r", list(range(10, 31)))
-    d.reserve_remote(req, lease_s=5.0)
-    cached_before = len(d.kv.pool.cached)
+    reserved = d.reserve_remote(req, lease_s=5.0).block_ids
     outs = d.fail_remote(RequestId("r"), recompute=False, reason="peer vanished")
     assert [o.finish_reason for o in outs] == ["error"] and outs[0].error == "peer vanished"
-    assert d.kv.num_used_blocks == 0 and len(d.kv.pool.cached) == cached_before
+    # A late write may still land: the blocks stay out of use, and out of the cache.
+    assert d.kv.block_ids(RequestId("r")) == list(reserved) and d.num_quarantined == 1
+    d.add_request(request("other", list(range(40, 60))))
+    d.step()
+    assert not set(reserved) & set(d.kv.block_ids(RequestId("other")))
+    _decode(d, "other")
+    cached_before = len(d.kv.pool.cached)
+    clock[0] = 4.9
+    d.reap_expired_leases()
+    assert d.num_quarantined == 1
+    clock[0] = 5.0
+    d.reap_expired_leases()
+    assert d.num_quarantined == 0 and not d.kv.has_request(RequestId("r"))
+    assert len(d.kv.pool.cached) == cached_before
     d.kv.check_integrity()
 
 
@@ -105,7 +119,9 @@ def test_lease_frees_blocks_of_a_peer_that_never_comes_back():
 
 
 def test_abort_while_waiting_for_kv_frees_on_both_sides():
+    clock = [0.0]
     p, d = make_engine(), make_engine()
+    d._clock = lambda: clock[0]
     req = request("r", list(range(10, 31)))
     d.reserve_remote(req, lease_s=5.0)
     _prefill(p, req)
@@ -113,7 +129,10 @@ def test_abort_while_waiting_for_kv_frees_on_both_sides():
     assert d.kv.num_used_blocks > 0  # a write may still land: reserved until the outcome is known
     assert d.fail_remote(RequestId("r"), recompute=True, reason="aborted") == []
     p.abort(RequestId("r"))
-    assert p.kv.num_used_blocks == 0 and d.kv.num_used_blocks == 0
+    assert p.kv.num_used_blocks == 0 and d.kv.num_used_blocks > 0  # quarantined: the write failed
+    clock[0] = 5.0
+    d.reap_expired_leases()
+    assert d.kv.num_used_blocks == 0
     assert d._handoffs == {} and p._handoffs == {}
     assert not d.has_work
     p.kv.check_integrity()

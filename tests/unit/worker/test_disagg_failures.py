@@ -2,9 +2,11 @@
 the real KvTransfer gRPC service, and the fake transport with injected faults."""
 import asyncio
 import contextlib
+import socket
 
 import grpc
 import pytest
+import torch
 
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, SamplingParams
@@ -40,9 +42,9 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-def _threaded(checkpoint: str) -> ThreadedEngine:
-    runner = ModelRunner.load(checkpoint, "float32", "cpu", num_blocks=64, tokens_per_block=TPB)
-    kv = KvCacheManager(KvCacheConfig(tokens_per_block=TPB), 64)
+def _threaded(checkpoint: str, num_blocks: int = 64) -> ThreadedEngine:
+    runner = ModelRunner.load(checkpoint, "float32", "cpu", num_blocks=num_blocks, tokens_per_block=TPB)
+    kv = KvCacheManager(KvCacheConfig(tokens_per_block=TPB), num_blocks)
     engine = LLMEngine(runner, kv, CharTokenizer(), SchedulerConfig(8, 256, 128))
     threaded = ThreadedEngine(engine, INFO, idle_wait_s=0.005)
     threaded.start()
@@ -52,8 +54,10 @@ def _threaded(checkpoint: str) -> ThreadedEngine:
 class Pair:
     """A prefill engine behind a real gRPC KvTransfer server, and a decode engine dialling it."""
 
-    def __init__(self, checkpoint: str, fabric: FakeFabric, transfer_timeout_s: float, recompute: bool) -> None:
-        self.p, self.d = _threaded(checkpoint), _threaded(checkpoint)
+    def __init__(self, checkpoint: str, fabric: FakeFabric, transfer_timeout_s: float, recompute: bool,
+                 decode_blocks: int = 64) -> None:
+        self.fabric = fabric
+        self.p, self.d = _threaded(checkpoint), _threaded(checkpoint, decode_blocks)
         self.tp = FakeTransport(WorkerId("p"), self.p.engine.runner.kv_tensor,
                                 KvLayoutSpec.for_tensor("tiny", self.p.engine.runner.kv_tensor), fabric)
         self.td = FakeTransport(WorkerId("d"), self.d.engine.runner.kv_tensor,
@@ -96,10 +100,10 @@ async def _until(predicate, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def _run(checkpoint, body, fault=None, transfer_timeout_s=2.0, recompute=False):
+def _run(checkpoint, body, fault=None, transfer_timeout_s=2.0, recompute=False, decode_blocks=64):
     async def main():
         fabric = FakeFabric()
-        pair = Pair(checkpoint, fabric, transfer_timeout_s, recompute)
+        pair = Pair(checkpoint, fabric, transfer_timeout_s, recompute, decode_blocks)
         address = await pair.start()
         if fault is not None:
             fabric.inject(WorkerId("d"), fault)
@@ -163,8 +167,114 @@ def test_client_abort_while_waiting_for_kv_frees_both_sides(checkpoint):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        assert await _until(lambda: pair.used() == (0, 0))  # prefill: call cancelled; decode: lease
+        # The call ran to its end (the stalled write timed out) and its blocks waited out the lease.
+        assert await _until(lambda: pair.used() == (0, 0))
         assert pair.d.engine.num_handoffs == 0 and pair.p.engine.num_handoffs == 0
-        assert pair.d.engine.num_lease_expiries == 1  # the decode side waited out its lease
+        assert pair.d.engine.num_quarantined == 0
+        assert pair.metrics.failures.labels("received")._value.get() == 1
 
     _run(checkpoint, body, fault=Fault.STALL, transfer_timeout_s=1.0)
+
+
+def test_client_abort_during_a_remote_prefill_frees_the_blocks_when_the_write_lands_not_at_the_lease(checkpoint):
+    async def body(pair, address):
+        task = asyncio.create_task(_collect(pair.decode.generate(_request("r", max_tokens=50), address)))
+        assert await _until(lambda: pair.d.engine.num_handoffs == 1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        # The lease is 30.5 s: freed well before it, because the write completed and said so.
+        assert await _until(lambda: pair.used() == (0, 0), timeout_s=10.0)
+        assert pair.d.engine.num_lease_expiries == 0 and pair.d.engine.num_quarantined == 0
+        assert pair.metrics.blocks.labels("received")._sum.get() == 6
+
+    _run(checkpoint, body, transfer_timeout_s=30.0)
+
+
+def test_a_late_write_after_a_failed_prefill_lands_only_in_quarantined_blocks(checkpoint):
+    """The failed transfer's bytes arrive after the failure was reported, while another request
+    runs: every block they reach is still held by the failed request's quarantine, none is free,
+    cached or another request's; the quarantine ends with the lease."""
+    async def body(pair, address):
+        engine = pair.d.engine
+        failed = await _collect(pair.decode.generate(_request("r"), address))
+        assert [o.finish_reason for o in failed] == ["error"]
+        assert engine.num_quarantined == 1
+        other = GenerationRequest(RequestId("other"), tuple(range(5, 41)),
+                                  SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        stream = pair.d.generate(other)
+        first = await stream.__anext__()  # its prompt is computed, its blocks live
+
+        def owners() -> dict[int, list[str]]:
+            found: dict[int, list[str]] = {}
+            for seq_id, seq in engine.kv._seqs.items():
+                for block in seq.blocks:
+                    found.setdefault(block.block_id, []).append(seq_id)
+            return found
+
+        (peer, targets), = pair.fabric.late_write_targets()
+        held_by = await pair.d.call(owners)
+        assert peer == "d" and all(held_by.get(b) == ["r"] for b in targets), held_by
+        # Its 9 prompt blocks are settled (decoding writes only into the blocks after them).
+        prompt_blocks = (await pair.d.call(lambda: list(engine.kv.block_ids(RequestId("other")))))[:9]
+        before = engine.runner.kv_tensor[prompt_blocks].clone()
+        assert pair.fabric.land_late_writes() == 1
+        assert torch.equal(engine.runner.kv_tensor[prompt_blocks], before)
+        rest = [o async for o in stream]
+        assert len(first.token_ids + sum((o.token_ids for o in rest), ())) == 8
+        assert await _until(lambda: pair.used() == (0, 0), timeout_s=30.0)  # the lease ends
+        assert engine.num_quarantined == 0
+
+    _run(checkpoint, body, fault=Fault.LATE, transfer_timeout_s=9.5)
+
+
+def test_a_restarted_prefill_worker_refuses_before_computing_and_the_decode_worker_handshakes_again(checkpoint):
+    async def body(pair, address):
+        await _collect(pair.decode.generate(_request("a"), address))
+        moved = pair.metrics.blocks.labels("received")._sum.get()
+        pair.tp.remove_peer(WorkerId("d"))  # the prefill worker forgot us, as after a restart
+        prompt = tuple(range(7, 40))  # nothing of it cached on either side
+        request = GenerationRequest(RequestId("b"), prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                           ignore_eos=True))
+        remote = await _collect(pair.decode.generate(request, address))
+        local = await _collect(pair.d.generate(GenerationRequest(RequestId("l"), prompt, request.sampling)))
+        assert [o.token_ids for o in remote] == [o.token_ids for o in local]
+        assert pair.metrics.failures.labels("received")._value.get() == 0
+        assert pair.metrics.blocks.labels("received")._sum.get() == moved + 9  # 33 tokens, 9 blocks over the peer
+        assert await _until(lambda: pair.used() == (0, 0))
+
+    _run(checkpoint, body)
+
+
+def test_retiring_a_peer_leaves_the_calls_in_flight_on_its_channel_running(checkpoint):
+    async def body(pair, address):
+        task = asyncio.create_task(_collect(pair.decode.generate(_request("r"), address)))
+        assert await _until(lambda: pair.d.engine.num_handoffs == 1 and pair.p.engine.num_handoffs == 1)
+        peers = pair.decode._peers
+        await peers.forget(await peers.get(address))
+        for transfer in pair.tp.posted:
+            transfer.fault = None  # the stalled write now completes
+        outputs = await task
+        assert outputs[-1].finish_reason == "length"  # the write landed through the old channel
+        assert pair.metrics.failures.labels("received")._value.get() == 0
+
+    _run(checkpoint, body, fault=Fault.STALL, transfer_timeout_s=30.0)
+
+
+def test_a_handshake_that_hangs_delays_only_the_requests_for_that_address(checkpoint):
+    async def body(pair, address):
+        silent = socket.socket()  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        peers = PrefillPeers(pair.td, rpc_timeout_s=5.0)
+        hanging = asyncio.create_task(peers.get(f"127.0.0.1:{silent.getsockname()[1]}"))
+        await asyncio.sleep(0.2)
+        peer = await peers.get(address)
+        assert peer.address == address and not hanging.done()
+        hanging.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await hanging
+        silent.close()
+        await peers.close()
+
+    _run(checkpoint, body)

@@ -48,6 +48,10 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._clock = clock
         self._handoffs: dict[RequestId, Sequence] = {}  # REMOTE_PREFILL or HELD, with a lease
+        # KV sequences whose blocks a failed transfer's late write may still reach: kept out of
+        # use, never published, until their lease ends.
+        self._quarantine: dict[RequestId, float] = {}
+        self._retries = itertools.count(1)
         self.num_lease_expiries = 0
 
     @property
@@ -139,10 +143,13 @@ class LLMEngine:
         return [self._advance(seq, first_token, logprob)]
 
     def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> list[RequestOutput]:
-        """Decode side: the transfer failed. Its blocks are freed, never published; the request is
-        recomputed locally or ends with an error."""
+        """Decode side: the transfer failed, but a write may still land in the reserved blocks (a
+        cancelled transfer is no proof that no byte arrives). They are quarantined until the lease
+        ends, never published; the request recomputes into fresh blocks or ends with an error."""
         seq = self._handoffs.pop(request_id)
-        self.kv.free(seq.seq_id)
+        self._quarantine[seq.seq_id] = seq.lease_deadline
+        seq.seq_id = RequestId(f"{request_id}~{next(self._retries)}")  # a fresh KV sequence if recomputed
+        seq.lease_deadline = None
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         if seq.aborted:
             return []
@@ -167,7 +174,8 @@ class LLMEngine:
             seq.status = SeqStatus.FINISHED
 
     def reap_expired_leases(self) -> list[RequestOutput]:
-        """Free blocks held for a peer past their lease (runs every loop iteration, idle or not)."""
+        """Free blocks held for a peer, or quarantined, past their lease (runs every loop
+        iteration, idle or not)."""
         now = self._clock()
         outputs = []
         for request_id, seq in list(self._handoffs.items()):
@@ -177,11 +185,20 @@ class LLMEngine:
                     self.release_held(request_id)
                 else:
                     outputs += self.fail_remote(request_id, recompute=False, reason="KV transfer lease expired")
+        for seq_id, deadline in list(self._quarantine.items()):
+            if deadline <= now:
+                del self._quarantine[seq_id]
+                self.kv.free(seq_id)
         return outputs
 
     @property
     def num_handoffs(self) -> int:
         return len(self._handoffs)
+
+    @property
+    def num_quarantined(self) -> int:
+        """KV sequences kept out of use until a late write can no longer reach them."""
+        return len(self._quarantine)
 
     # ---- internals -----------------------------------------------------------------------------
 

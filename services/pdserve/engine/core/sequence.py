@@ -22,7 +22,8 @@ class SeqStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    seq_id: RequestId  # the KV cache manager's id: request id, or "<request id>#<index>"
+    seq_id: RequestId  # the KV cache manager's id: request id, "<request id>#<index>", or "…~<n>" when
+    # recomputed after a failed remote prefill (the first id's blocks are quarantined)
     request: GenerationRequest
     index: int
     token_ids: list[int]  # prompt, then generated tokens

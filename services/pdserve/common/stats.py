@@ -80,5 +80,5 @@ class KvIntegrity:
 
     ok: bool
     error: str
-    num_held_for_peer: int  # requests whose blocks wait on a KV transfer (reserved or held)
+    num_held_for_peer: int  # requests whose blocks wait on a KV transfer (reserved, held or quarantined)
     num_used_blocks: int

@@ -115,11 +115,12 @@ class ThreadedEngine:
 
     def _check_integrity(self) -> KvIntegrity:
         kv = self._engine.kv
+        held = self._engine.num_handoffs + self._engine.num_quarantined  # waiting on a transfer's outcome
         try:
             kv.check_integrity()
         except IntegrityError as exc:
-            return KvIntegrity(False, str(exc), self._engine.num_handoffs, kv.num_used_blocks)
-        return KvIntegrity(True, "", self._engine.num_handoffs, kv.num_used_blocks)
+            return KvIntegrity(False, str(exc), held, kv.num_used_blocks)
+        return KvIntegrity(True, "", held, kv.num_used_blocks)
 
     def open_stream(self, request_id: RequestId, num_completions: int = 1) -> asyncio.Queue:
         """A queue receiving the request's outputs (for requests admitted through `call`)."""

@@ -34,6 +34,32 @@ def make_tiny_checkpoint(directory: Path, max_model_len: int = 512) -> Path:
     return directory
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids of `pid`'s children, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def command_of(pid: int) -> str:
+    """e.g. "python -m pdserve.serve.tether 1234 15 worker --model ..."."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (a re-parented process may wait a while for its new parent to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -12,27 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.stack import children_of, command_of
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return sorted(found)
-
-
-def command_of(pid: int) -> str:
-    """e.g. "python -m pdserve.serve.tether 1234 15 worker --model ..."."""
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def is_alive(pid: int) -> bool:

@@ -193,12 +193,14 @@ def test_serve_on_a_busy_fixed_port_is_one_line_and_a_nonzero_exit_at_once(tmp_p
     assert serve.stderr == f"pdserve serve: {flag}={port}: 127.0.0.1:{port} is in use\n"
 
 
-def test_a_worker_on_a_busy_port_says_so_before_loading_its_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["worker", "router"])
+def test_a_lone_worker_or_router_on_a_busy_port_says_so_before_anything_slow(kind: str) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        worker = subprocess.run([sys.executable, "-m", "pdserve.cli", "worker", "--port", str(port)],
-                                capture_output=True, text=True, timeout=ERROR_TIMEOUT_S)
-    assert worker.returncode == 2
-    assert worker.stderr == f"pdserve worker: --port={port}: 127.0.0.1:{port} is in use\n"
+        # the worker would load its model, the router wait for its (absent) workers
+        process = subprocess.run([sys.executable, "-m", "pdserve.cli", kind, "--port", str(port)],
+                                 capture_output=True, text=True, timeout=ERROR_TIMEOUT_S)
+    assert process.returncode == 2
+    assert process.stderr == f"pdserve {kind}: --port={port}: 127.0.0.1:{port} is in use\n"

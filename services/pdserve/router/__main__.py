@@ -1,7 +1,7 @@
 """`pdserve router`: wire settings, tokenizer, the workers (pool, prefix index, KV event
 subscribers, routing) and the HTTP app together.
 
-Exit status: 0 after a clean stop (SIGINT/SIGTERM), 2 for a bad setting or workers that
+Exit status: 0 after a clean stop (SIGINT/SIGTERM), 2 for a bad setting, a `--port` in use, or workers that
 disagree (model, block size, block-key algorithm), 1 when no decode-capable worker can be
 reached within `--worker-wait-timeout` (a worker of another `--deployment-id` is never admitted).
 """
@@ -16,6 +16,7 @@ import uvicorn
 
 from pdserve.common.errors import ConfigError, WorkerUnavailableError
 from pdserve.common.ids import DeploymentId
+from pdserve.common.ports import check_port_free
 from pdserve.common.settings import RouterSettings, resolve_router_settings
 from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 from pdserve.router.openai.app import create_app
@@ -32,6 +33,7 @@ _log = logging.getLogger("pdserve.router")
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = resolve_router_settings(argv)
+        check_port_free("--port", settings.host, settings.port)  # now, not after waiting for the workers
         tokenizer = load_tokenizer(settings.model, settings.cache_dir)
     except ConfigError as err:
         print(f"pdserve router: {err}", file=sys.stderr)

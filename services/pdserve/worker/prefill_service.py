@@ -4,9 +4,11 @@ A prefill order runs the prompt as a prefill-only request (the engine holds its 
 the first token), WRITEs the blocks the decode worker lacks into the blocks it reserved, and
 answers once every byte has landed. An order from a decode worker we have no handshake with
 (we restarted since) is refused before any compute, so the decode worker re-handshakes and
-retries. A write never starts after the order's deadline, so the decode worker's lease
+retries. The write runs on a worker thread (NIXL's calls block for the copy; the event loop
+keeps serving gRPC) and never starts after the order's deadline, so the decode worker's lease
 (longer) covers it. The held blocks are released as soon as no transfer can read them any
-more; a transfer that cannot be stopped leaves them to the hold's lease.
+more, after the reply rather than before it; a transfer that cannot be stopped leaves them to
+the hold's lease.
 """
 import asyncio
 import logging
@@ -15,13 +17,12 @@ from contextlib import aclosing
 
 from pdserve.common.disagg import PrefillOrder, PrefillResult
 from pdserve.common.errors import InvalidRequestError, PdserveError, TransferError, UnknownPeerError, WorkerError
-from pdserve.common.ids import WorkerId
-from pdserve.transfer.interface import KvTransport, TransferHandle, TransferState
+from pdserve.common.ids import RequestId, WorkerId
+from pdserve.transfer.interface import KvTransport
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
-POLL_INTERVAL_S = 0.0005
 
 
 class PrefillService:
@@ -31,6 +32,7 @@ class PrefillService:
         self._engine = engine
         self._transport = transport
         self._metrics = metrics
+        self._releases: set[asyncio.Task] = set()
 
     async def handshake(self, peer_id: WorkerId, metadata: bytes) -> tuple[WorkerId, bytes]:
         try:
@@ -56,7 +58,7 @@ class PrefillService:
             raise UnknownPeerError(f"no KV handshake with decode worker {order.decode_worker_id!r}: handshake again")
         first = await self._first_output(order)
         request_id = order.request.request_id
-        handle = None  # the write, while it may still read the held blocks
+        transfer: asyncio.Future | None = None
         try:
             held = await self._engine.call(self._engine.engine.held_block_ids, request_id)
             source = held[order.first_block:order.first_block + len(order.dest_block_ids)]
@@ -67,22 +69,41 @@ class PrefillService:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferError(f"deadline passed before writing {request_id!r}")
-            handle = self._transport.write_blocks(order.decode_worker_id, source, order.dest_block_ids, b"",
-                                                  remaining)
-            try:
-                await self._wait(handle)
-            finally:
-                self._transport.release(handle)  # stops a pending write, or raises: it cannot be stopped
-                handle = None
+            transfer = asyncio.ensure_future(asyncio.to_thread(self._write, order, source, remaining))
+            await asyncio.shield(transfer)  # a call cancelled mid-write leaves the write to finish or stop
         finally:
-            if handle is None:
-                await asyncio.shield(self._engine.call(self._engine.engine.release_held, request_id))
-            else:
-                log.warning("keeping the blocks of %s until their lease: a write reading them could not be stopped",
-                            request_id)
+            self._release_when_settled(request_id, transfer)
         num_bytes = len(source) * self._transport.spec.bytes_per_block
         logprob = first.logprobs[0] if first.logprobs else None
         return PrefillResult(first.token_ids[0], logprob, first.num_cached_tokens, len(source), num_bytes)
+
+    def _write(self, order: PrefillOrder, source: list, timeout_s: float) -> None:
+        """On a worker thread: NIXL's post and progress calls may block for a whole copy, and the
+        event loop keeps serving gRPC meanwhile. Raises _Unstoppable when the write may still run."""
+        handle = self._transport.write_blocks(order.decode_worker_id, source, order.dest_block_ids, b"", timeout_s)
+        try:
+            self._transport.wait(handle)
+        finally:
+            try:
+                self._transport.release(handle)
+            except TransferError as exc:
+                raise _Unstoppable(f"write of {order.request.request_id!r} could not be stopped: {exc}") from exc
+
+    def _release_when_settled(self, request_id: RequestId, transfer: asyncio.Future | None) -> None:
+        """Free the held blocks once no write can read them, without delaying the reply (the
+        engine takes the call between steps). An unstoppable write leaves them to the lease."""
+        def release(done: asyncio.Future | None) -> None:
+            if done is not None and not done.cancelled() and isinstance(done.exception(), _Unstoppable):
+                log.warning("keeping the blocks of %s until their lease: %s", request_id, done.exception())
+                return
+            task = asyncio.ensure_future(self._engine.call(self._engine.engine.release_held, request_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+        if transfer is None or transfer.done():
+            release(transfer)
+        else:
+            transfer.add_done_callback(release)
 
     async def _first_output(self, order: PrefillOrder):
         first = None
@@ -95,12 +116,6 @@ class PrefillService:
                               f"{first.error if first else 'no output'}")
         return first
 
-    async def _wait(self, handle: TransferHandle) -> None:
-        while True:
-            state = self._transport.poll(handle)
-            if state is TransferState.DONE:
-                return
-            if state is TransferState.FAILED:
-                self._transport.wait(handle)  # raises TransferError with the reason
-                raise TransferError(f"transfer {handle.transfer_id} failed")
-            await asyncio.sleep(POLL_INTERVAL_S)
+
+class _Unstoppable(TransferError):
+    """A write that failed and could not be stopped: its source blocks may still be read."""

@@ -179,16 +179,18 @@ def test_client_abort_while_waiting_for_kv_frees_both_sides(checkpoint):
 def test_client_abort_during_a_remote_prefill_frees_the_blocks_when_the_write_lands_not_at_the_lease(checkpoint):
     async def body(pair, address):
         task = asyncio.create_task(_collect(pair.decode.generate(_request("r", max_tokens=50), address)))
-        assert await _until(lambda: pair.d.engine.num_handoffs == 1)
+        assert await _until(lambda: pair.d.engine.num_handoffs == 1 and pair.tp.posted)  # the write is out
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        for transfer in pair.tp.posted:
+            transfer.fault = None  # the stalled write now completes
         # The lease is 30.5 s: freed well before it, because the write completed and said so.
         assert await _until(lambda: pair.used() == (0, 0), timeout_s=10.0)
         assert pair.d.engine.num_lease_expiries == 0 and pair.d.engine.num_quarantined == 0
         assert pair.metrics.blocks.labels("received")._sum.get() == 6
 
-    _run(checkpoint, body, transfer_timeout_s=30.0)
+    _run(checkpoint, body, fault=Fault.STALL, transfer_timeout_s=30.0)
 
 
 def test_a_late_write_after_a_failed_prefill_lands_only_in_quarantined_blocks(checkpoint):
@@ -249,7 +251,7 @@ def test_a_restarted_prefill_worker_refuses_before_computing_and_the_decode_work
 def test_retiring_a_peer_leaves_the_calls_in_flight_on_its_channel_running(checkpoint):
     async def body(pair, address):
         task = asyncio.create_task(_collect(pair.decode.generate(_request("r"), address)))
-        assert await _until(lambda: pair.d.engine.num_handoffs == 1 and pair.p.engine.num_handoffs == 1)
+        assert await _until(lambda: pair.d.engine.num_handoffs == 1 and pair.tp.posted)  # the write is out
         peers = pair.decode._peers
         await peers.forget(await peers.get(address))
         for transfer in pair.tp.posted:

@@ -133,7 +133,7 @@ def test_abort_while_waiting_for_kv_frees_on_both_sides():
     clock[0] = 5.0
     d.reap_expired_leases()
     assert d.kv.num_used_blocks == 0
-    assert d._handoffs == {} and p._handoffs == {}
+    assert d.num_handoffs == 0 and p.num_handoffs == 0
     assert not d.has_work
     p.kv.check_integrity()
     d.kv.check_integrity()

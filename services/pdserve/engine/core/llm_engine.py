@@ -7,7 +7,6 @@ the tensors, the sampler picks tokens; this module only wires them together per 
 """
 import itertools
 import time
-from bisect import insort
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -15,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
+from pdserve.engine.core.handoff import Handoffs
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
@@ -47,12 +47,7 @@ class LLMEngine:
         self._requests: dict[RequestId, list[Sequence]] = {}
         self._arrivals = itertools.count()
         self._clock = clock
-        self._handoffs: dict[RequestId, Sequence] = {}  # REMOTE_PREFILL or HELD, with a lease
-        # KV sequences whose blocks a failed transfer's late write may still reach: kept out of
-        # use, never published, until their lease ends.
-        self._quarantine: dict[RequestId, float] = {}
-        self._retries = itertools.count(1)
-        self.num_lease_expiries = 0
+        self.handoffs = Handoffs(kv, lambda: self._clock())  # sequences waiting on a KV transfer, with leases
 
     @property
     def has_work(self) -> bool:
@@ -80,9 +75,9 @@ class LLMEngine:
         """
         seqs = self._requests.pop(request_id, [])
         outputs = []
-        handoff = self._handoffs.get(request_id)
+        handoff = self.handoffs.get(request_id)
         if handoff is not None and handoff.status is SeqStatus.HELD:
-            self.release_held(request_id)
+            self.handoffs.release(request_id)
         elif handoff is not None:
             handoff.aborted = True
             outputs.append(self._output(handoff, (), "", "abort"))
@@ -122,23 +117,17 @@ class LLMEngine:
         self._validate(request)
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
         claim = self.kv.add_sequence(seq.cache_request())
-        seq.status = SeqStatus.REMOTE_PREFILL
         seq.num_computed_tokens = seq.num_cached_tokens = claim.num_cached_tokens
-        seq.lease_deadline = self._clock() + lease_s
+        self.handoffs.reserve(seq, lease_s)
         self._requests[request.request_id] = [seq]
-        self._handoffs[request.request_id] = seq
         return claim
 
     def complete_remote(self, request_id: RequestId, first_token: int, logprob=None) -> list[RequestOutput]:
         """Decode side: the prompt's KV has landed; the first token (sampled by the peer) is emitted."""
-        seq = self._handoffs.pop(request_id)
-        self.kv.mark_computed(seq.seq_id, seq.num_prompt_tokens - seq.num_computed_tokens)
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq = self.handoffs.complete(request_id)
         if seq.aborted:
-            self.kv.free(seq.seq_id)
             return []
-        seq.status = SeqStatus.RUNNING
-        insort(self.scheduler.running, seq, key=lambda s: s.arrival)
+        self.scheduler.resume(seq)
         self.sampler.skip(SamplingRow(seq.request.sampling, seq.generator), self.vocab_size)  # the peer's draw
         return [self._advance(seq, first_token, logprob)]
 
@@ -146,11 +135,7 @@ class LLMEngine:
         """Decode side: the transfer failed, but a write may still land in the reserved blocks (a
         cancelled transfer is no proof that no byte arrives). They are quarantined until the lease
         ends, never published; the request recomputes into fresh blocks or ends with an error."""
-        seq = self._handoffs.pop(request_id)
-        self._quarantine[seq.seq_id] = seq.lease_deadline
-        seq.seq_id = RequestId(f"{request_id}~{next(self._retries)}")  # a fresh KV sequence if recomputed
-        seq.lease_deadline = None
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq = self.handoffs.fail(request_id)
         if seq.aborted:
             return []
         if recompute:
@@ -163,42 +148,33 @@ class LLMEngine:
 
     def held_block_ids(self, request_id: RequestId) -> list[BlockId]:
         """Prefill side: the blocks holding a finished prefill's KV, in prompt order."""
-        seq = self._handoffs[request_id]
-        return self.kv.block_ids(seq.seq_id)
+        return self.handoffs.held_block_ids(request_id)
 
     def release_held(self, request_id: RequestId) -> None:
         """Prefill side: the peer has the KV (or gave up); free the blocks (they stay cached)."""
-        seq = self._handoffs.pop(request_id, None)
-        if seq is not None and seq.status is SeqStatus.HELD:
-            self.kv.free(seq.seq_id)
-            seq.status = SeqStatus.FINISHED
+        self.handoffs.release(request_id)
 
     def reap_expired_leases(self) -> list[RequestOutput]:
         """Free blocks held for a peer, or quarantined, past their lease (runs every loop
         iteration, idle or not)."""
-        now = self._clock()
         outputs = []
-        for request_id, seq in list(self._handoffs.items()):
-            if seq.lease_deadline is not None and seq.lease_deadline <= now:
-                self.num_lease_expiries += 1
-                if seq.status is SeqStatus.HELD:
-                    self.release_held(request_id)
-                else:
-                    outputs += self.fail_remote(request_id, recompute=False, reason="KV transfer lease expired")
-        for seq_id, deadline in list(self._quarantine.items()):
-            if deadline <= now:
-                del self._quarantine[seq_id]
-                self.kv.free(seq_id)
+        for seq in self.handoffs.expire():
+            outputs += self.fail_remote(seq.request.request_id, recompute=False, reason="KV transfer lease expired")
+        self.handoffs.free_quarantine()
         return outputs
 
     @property
     def num_handoffs(self) -> int:
-        return len(self._handoffs)
+        return len(self.handoffs)
 
     @property
     def num_quarantined(self) -> int:
         """KV sequences kept out of use until a late write can no longer reach them."""
-        return len(self._quarantine)
+        return self.handoffs.num_quarantined
+
+    @property
+    def num_lease_expiries(self) -> int:
+        return self.handoffs.num_lease_expiries
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -224,7 +200,7 @@ class LLMEngine:
         if any(mark in request_id for mark in RESERVED_ID_MARKS):
             raise InvalidRequestError(f"request id {request_id!r} contains one of {''.join(RESERVED_ID_MARKS)!r}, "
                                       "reserved for the engine's own sequence ids", "request_id")
-        if request_id in self._requests or request_id in self._handoffs or self.kv.has_request(request_id):
+        if request_id in self._requests or self.handoffs.get(request_id) or self.kv.has_request(request_id):
             raise DuplicateRequestError(f"request id {request_id!r} is in use on this worker (a live request, "
                                         "or KV blocks still held under it)")
 
@@ -302,10 +278,8 @@ class LLMEngine:
             del self._requests[seq.request.request_id]
 
     def _hold(self, seq: Sequence) -> None:
-        self.scheduler.running.remove(seq)
-        seq.status = SeqStatus.HELD
-        seq.lease_deadline = self._clock() + seq.hold_lease_s
-        self._handoffs[seq.request.request_id] = seq
+        self.scheduler.detach(seq)
+        self.handoffs.hold(seq)
         self._requests.pop(seq.request.request_id, None)
 
     def _output(self, seq: Sequence, token_ids: Seq[int], text: str, reason: str | None, logprobs=()) -> RequestOutput:

@@ -45,6 +45,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def resume(self, seq: Sequence) -> None:
+        """Run a sequence whose prompt's KV is already in its blocks (received from a peer)."""
+        seq.status = SeqStatus.RUNNING
+        insort(self.running, seq, key=lambda s: s.arrival)
+
+    def detach(self, seq: Sequence) -> None:
+        """Stop running `seq` but keep its blocks (they are held for a peer)."""
+        self.running.remove(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence (finished or aborted) and free its blocks."""
         if seq in self.running:

@@ -76,3 +76,13 @@ class WorkerTimeoutError(PdserveError, TimeoutError):
 
 class WorkerError(PdserveError):
     """A worker failed a request for a reason of its own (HTTP 500)."""
+
+
+class OverloadedError(PdserveError):
+    """A bound on waiting requests is reached: refused at once, never queued without end
+    (gRPC RESOURCE_EXHAUSTED; HTTP 503 with Retry-After)."""
+
+
+class EngineWedgedError(PdserveError):
+    """The engine thread has not come back from a step (or call) within its deadline while work
+    waits for it: the worker cannot serve (gRPC UNAVAILABLE; health NOT_SERVING)."""

@@ -107,9 +107,15 @@ class WorkerSettings:
                                               "are missing from its own cache")
     kv_transfer_failure: str = opt("recompute", parse=cv.choice("recompute", "fail"),
                                    help="after a failed KV transfer: recompute locally or fail the request")
+    max_waiting_requests: int = opt(256, parse=cv.parse_int,
+                                    help="requests waiting for their first token at once; one more is refused at "
+                                         "once (gRPC RESOURCE_EXHAUSTED, HTTP 503 with Retry-After)")
+    engine_step_timeout_s: float = opt(60.0, parse=cv.parse_float, flag="engine-step-timeout",
+                                       help="an engine thread that finishes no step for this long while work waits "
+                                            "is wedged: health answers NOT_SERVING until it moves again (seconds)")
 
     def __post_init__(self) -> None:
-        check_positive(self, "kv_transfer_timeout_s")
+        check_positive(self, "kv_transfer_timeout_s", "max_waiting_requests", "engine_step_timeout_s")
         check_positive(self, "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                         "kv_cache_memory", "max_kv_tokens", "num_threads", "drain_timeout_s")
         check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size,
@@ -162,6 +168,9 @@ class RouterSettings:
                                         help="wait for a request's first output, queueing included")
     output_timeout_s: float = opt(120.0, parse=cv.parse_float, flag="output-timeout",
                                   help="longest wait between two outputs of one request (seconds)")
+    max_pending_requests: int = opt(1024, parse=cv.parse_int,
+                                    help="generation requests in progress at once; one more is answered 503 with "
+                                         "Retry-After at once")
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
     deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                     help="admit only workers started with this --deployment-id (pdserve serve: a "
@@ -191,7 +200,7 @@ class RouterSettings:
         check(0 < self.port < 65536, "port", self.port, "must be in 1..65535")
         check_positive(self, "rpc_timeout_s", "generate_timeout_s", "worker_wait_timeout_s",
                        "first_output_timeout_s", "output_timeout_s", "session_ttl_s", "worker_poll_interval_s",
-                       "worker_failure_threshold")
+                       "worker_failure_threshold", "max_pending_requests")
         check(len(set(self.workers)) == len(self.workers), "workers", ",".join(self.workers),
               "names a worker twice")
         check(self.router_temperature >= 0, "router_temperature", self.router_temperature, "must be >= 0")

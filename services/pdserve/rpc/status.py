@@ -8,9 +8,11 @@ import grpc
 
 from pdserve.common.errors import (
     DuplicateRequestError,
+    EngineWedgedError,
     IncompatiblePeerError,
     InvalidRequestError,
     OutOfBlocksError,
+    OverloadedError,
     PdserveError,
     TransferError,
     UnknownPeerError,
@@ -29,6 +31,8 @@ _CODES: tuple[tuple[type[PdserveError], grpc.StatusCode], ...] = (
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
     (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineWedgedError, grpc.StatusCode.UNAVAILABLE),
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (IncompatiblePeerError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownPeerError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -77,6 +77,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> wpb.HealthResponse:
         try:
             self._engine.stats()
+        except PdserveError as exc:  # e.g. wedged: the engine says why it cannot serve
+            return wpb.HealthResponse(status=wpb.SERVING_STATUS_NOT_SERVING, reason=str(exc))
         except Exception as exc:  # any failure of the engine means it cannot serve
             reason = f"engine failed: {type(exc).__name__}: {exc}"
             return wpb.HealthResponse(status=wpb.SERVING_STATUS_NOT_SERVING, reason=reason)
@@ -85,7 +87,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetStats(
         self, request: wpb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> wpb.GetStatsResponse:
-        return wpb.GetStatsResponse(stats=convert.stats_to_proto(self._engine.stats()))
+        try:
+            stats = self._engine.stats()
+        except PdserveError as exc:  # e.g. wedged: the router's load poll hears why
+            await _fail(context, exc)
+        return wpb.GetStatsResponse(stats=convert.stats_to_proto(stats))
 
     async def GetInfo(
         self, request: wpb.GetInfoRequest, context: grpc.aio.ServicerContext

@@ -1,5 +1,8 @@
 """`pdserve worker`: resolve the settings, build the engine, serve it over gRPC until
-SIGINT or SIGTERM, then drain for at most `--drain-timeout` seconds and exit."""
+SIGINT or SIGTERM, then drain for at most `--drain-timeout` seconds and exit.
+
+The Worker service serves the role's engine behind `BoundedEngine` (at most
+`--max-waiting-requests` waiting; refused while the watchdog finds the engine thread wedged)."""
 import asyncio
 import logging
 import signal
@@ -12,11 +15,13 @@ from pdserve.common.settings import WorkerSettings, apply_worker_runtime_default
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
 from pdserve.kvcache import KvCacheConfig
+from pdserve.worker.admission import BoundedEngine
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine, cpu_summary
 from pdserve.worker.kv_events import kv_events_service
 from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.roles import build_role, close_role, run_background
 from pdserve.worker.server import serve_until_stopped
+from pdserve.worker.watchdog import EngineWatchdog
 
 log = logging.getLogger("pdserve.worker")
 
@@ -65,17 +70,21 @@ async def run_worker(settings: WorkerSettings) -> None:
     if settings.metrics_port is not None:
         port = metrics.serve(settings.host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.host, port)
+    watchdog = EngineWatchdog(engine, settings.engine_step_timeout_s)
+    served = BoundedEngine(parts.engine, settings.max_waiting_requests, watchdog)
     engine.start()
     background = asyncio.create_task(run_background(parts, engine, metrics))
+    watching = asyncio.create_task(watchdog.run())
     stop = _stop_on_signals()
     services = [*parts.services, kv_events_service(engine, stop)]
     try:
         log.info("serving %s (role %s, deployment %s) on %s:%d", settings.model_name, settings.role,
                  settings.deployment_id or "none", settings.host, settings.port)
-        await serve_until_stopped(parts.engine, settings.host, settings.port, stop, settings.drain_timeout_s,
+        await serve_until_stopped(served, settings.host, settings.port, stop, settings.drain_timeout_s,
                                   services, DeploymentId(settings.deployment_id) if settings.deployment_id else None)
     finally:
         background.cancel()
+        watching.cancel()
         await close_role(parts)
         engine.stop()
 

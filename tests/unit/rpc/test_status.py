@@ -4,8 +4,10 @@ import pytest
 
 from pdserve.common.errors import (
     DuplicateRequestError,
+    EngineWedgedError,
     InvalidRequestError,
     OutOfBlocksError,
+    OverloadedError,
     PdserveError,
     IncompatiblePeerError,
     TransferError,
@@ -26,7 +28,9 @@ ADDRESS = "10.0.0.1:50051"
         (DuplicateRequestError("r1 is running"), grpc.StatusCode.ALREADY_EXISTS, DuplicateRequestError),
         (UnknownRequestError("r9"), grpc.StatusCode.NOT_FOUND, UnknownRequestError),
         (OutOfBlocksError(8, 2), grpc.StatusCode.RESOURCE_EXHAUSTED, WorkerUnavailableError),
+        (OverloadedError("256 requests waiting"), grpc.StatusCode.RESOURCE_EXHAUSTED, WorkerUnavailableError),
         (WorkerUnavailableError("x:1", "draining"), grpc.StatusCode.UNAVAILABLE, WorkerUnavailableError),
+        (EngineWedgedError("no step for 61 s"), grpc.StatusCode.UNAVAILABLE, WorkerUnavailableError),
         (TransferError("peer gone"), grpc.StatusCode.ABORTED, TransferError),
         (IncompatiblePeerError("dtype differs"), grpc.StatusCode.FAILED_PRECONDITION, IncompatiblePeerError),
         (PdserveError("boom"), grpc.StatusCode.INTERNAL, WorkerError),

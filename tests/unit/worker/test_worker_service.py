@@ -12,6 +12,7 @@ from fake_engine import INFO, STATS, FakeEngine, expected_outputs, make_request
 from pdserve.common.errors import (
     ConfigError,
     DuplicateRequestError,
+    EngineWedgedError,
     InvalidRequestError,
     WorkerTimeoutError,
     WorkerUnavailableError,
@@ -19,6 +20,7 @@ from pdserve.common.errors import (
 from pdserve.common.ids import DeploymentId
 from pdserve.common.stats import WorkerInfo
 from pdserve.rpc import convert
+from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
 from pdserve.rpc.worker_client import GrpcBackend
 from pdserve.worker.server import WorkerServer
@@ -179,6 +181,21 @@ def test_abort_stats_info_and_health_round_trip() -> None:
             engine.stats_error = RuntimeError("device lost")
             assert await backend.is_serving() is False
         assert engine.aborted == ["gone"]
+
+    run(scenario())
+
+
+def test_a_wedged_engine_is_not_serving_and_its_stats_name_why() -> None:
+    async def scenario() -> None:
+        engine = FakeEngine()
+        engine.stats_error = EngineWedgedError("engine wedged: no step for 61 s")
+        async with serving(engine) as (server, backend):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                reply = await worker_pb2_grpc.WorkerStub(channel).Health(wpb.HealthRequest(), timeout=WAIT_S)
+            assert (reply.status, reply.reason) == (wpb.SERVING_STATUS_NOT_SERVING, "engine wedged: no step for 61 s")
+            with pytest.raises(WorkerUnavailableError) as caught:
+                await backend.stats()
+            assert caught.value.reason == "engine wedged: no step for 61 s"
 
     run(scenario())
 

@@ -128,10 +128,14 @@ def test_client_disconnect_while_waiting_closes_the_worker_stream(patient: tuple
 def test_health_and_metrics_when_the_worker_does_not_answer(http: httpx.Client, backend: WordBackend) -> None:
     backend.stats_error = ConnectionError("gone")
     health = http.get("/health")
+    ready = http.get("/health/ready")
     metrics = http.get("/metrics")
     assert (health.status_code, health.json()) == (503, {"error": {
-        "message": "the generation service is not answering", "type": "ServiceUnavailableError",
+        "message": "not ready: the generation service is not answering (ConnectionError)",
+        "type": "ServiceUnavailableError",
         "param": None, "code": 503}})
+    assert (ready.status_code, ready.json()) == (503, health.json())
+    assert http.get("/health/live").status_code == 200
     assert "pdserve_worker_stats_up 0.0" in metrics.text.splitlines()
     assert "pdserve_num_requests_running" not in metrics.text
 

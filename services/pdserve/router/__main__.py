@@ -68,7 +68,8 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer) -> None:
         await cluster.close()
         raise
     backend = RoutedBackend(cluster, planner, info, settings.session_header)
-    limits = ApiLimits(first_output_timeout_s=settings.first_output_timeout_s, output_timeout_s=settings.output_timeout_s)
+    limits = ApiLimits(first_output_timeout_s=settings.first_output_timeout_s, output_timeout_s=settings.output_timeout_s,
+                       max_pending_requests=settings.max_pending_requests)
     app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)

@@ -1,7 +1,10 @@
 """The router's FastAPI app: OpenAI-compatible routes over one `GenerateBackend`.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`. Every response carries `X-Request-Id` (the client's, else the response id);
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /metrics`, and
+health: `GET /health/live` (liveness: 200 while the router answers HTTP), `GET /health/ready`
+(readiness: 200 while a decode-capable worker is in rotation, else 503 naming why) and `GET /health`
+(as readiness, vLLM's name). At most `limits.max_pending_requests` generation requests are in
+progress at once; one more gets 503 with `Retry-After` at once (`admission.py`). Every response carries `X-Request-Id` (the client's, else the response id);
 every error is OpenAI's envelope (see `errors.py`). Behind a routing backend, a generation
 response also carries `X-Pdserve-Route` (each prompt's decision, comma-separated, in prompt
 order) and the routing backend's session header, if configured, pins a session to its workers.
@@ -18,9 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.common.errors import PdserveError
 from pdserve.common.ids import RequestId
 from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.router.backend import GenerateBackend, Routing
+from pdserve.router.openai.admission import PendingLimit
 from pdserve.router.openai.chat import create_chat_completion
 from pdserve.router.openai.completions import create_completion
 from pdserve.router.openai.errors import ApiError, from_exception, install_error_handlers
@@ -34,7 +39,8 @@ STATS_TIMEOUT_S = 5.0
 MAX_REQUEST_ID_CHARS = 256
 ROUTE_HEADER = "X-Pdserve-Route"
 _STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, metrics count it
-_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+_GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+_ROUTES = _GENERATION_ROUTES | {"/v1/models", "/health", "/health/live", "/health/ready", "/metrics"}
 _log = logging.getLogger(__name__)
 Handler = Callable[[Request, ServingContext, str], Awaitable[Response]]
 
@@ -63,7 +69,8 @@ def create_app(
 
     app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    app.add_middleware(_CountRequests, metrics=ctx.metrics)
+    app.add_middleware(PendingLimit, max_pending=limits.max_pending_requests, paths=_GENERATION_ROUTES)
+    app.add_middleware(_CountRequests, metrics=ctx.metrics)  # the outer one: refusals are counted too
     _add_generation_routes(app, ctx, routing)
     _add_status_routes(app, ctx)
     return app
@@ -85,11 +92,17 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
         card = ModelCard(id=ctx.model_name, max_model_len=ctx.info.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
+    @app.get("/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        return await _readiness(ctx)
+
     @app.get("/health")
     async def health() -> Response:
-        if await _stats(ctx) is None:
-            return ApiError(503, "the generation service is not answering").to_response()
-        return Response(status_code=200)
+        return await _readiness(ctx)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -142,6 +155,17 @@ def _describe_routes(routing: Routing, response_id: str) -> str:
     while (route := routing.describe_route(RequestId(f"{response_id}-{len(routes)}"))) is not None:
         routes.append(route)
     return ", ".join(routes)
+
+
+async def _readiness(ctx: ServingContext) -> Response:
+    """200 when the backend can take requests (a decode-capable worker in rotation); else 503 naming why."""
+    try:
+        await asyncio.wait_for(ctx.backend.stats(), STATS_TIMEOUT_S)
+    except PdserveError as exc:  # e.g. every decode worker down, each with its reason
+        return ApiError(503, f"not ready: {exc}").to_response()
+    except Exception as exc:
+        return ApiError(503, f"not ready: the generation service is not answering ({type(exc).__name__})").to_response()
+    return Response(status_code=200)
 
 
 async def _stats(ctx: ServingContext) -> EngineStats | None:

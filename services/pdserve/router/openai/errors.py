@@ -1,7 +1,8 @@
 """OpenAI's error envelope, and the handlers that make every failure answer with it.
 
 Every error response has the body `{"error": {"message", "type", "param", "code"}}` with a
-message of at most `MAX_MESSAGE_CHARS` characters. FastAPI's own 422 never reaches a client:
+message of at most `MAX_MESSAGE_CHARS` characters. A 503 for an overloaded or unavailable
+service also says when to retry (`Retry-After`, seconds), so clients back off instead of waiting. FastAPI's own 422 never reaches a client:
 the handlers below turn request-validation failures into 400.
 """
 from http import HTTPStatus
@@ -15,6 +16,7 @@ from pdserve.common.errors import InvalidRequestError, PdserveError, WorkerUnava
 
 MAX_MESSAGE_CHARS = 1024
 MAX_PARAM_CHARS = 128
+RETRY_AFTER_S = 1
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -35,18 +37,26 @@ def clip(text: str, limit: int) -> str:
 class ApiError(Exception):
     """A failure to answer with the envelope and `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = clip(message, MAX_MESSAGE_CHARS)
         self.param = None if param is None else clip(param, MAX_PARAM_CHARS)
+        self.retry_after_s = retry_after_s
 
     def to_body(self) -> dict[str, dict[str, object]]:
         err_type = _ERROR_TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "")
         return {"error": {"message": self.message, "type": err_type, "param": self.param, "code": self.status}}
 
     def to_response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        if self.retry_after_s is not None:
+            headers = {**(headers or {}), "Retry-After": str(self.retry_after_s)}
         return JSONResponse(self.to_body(), status_code=self.status, headers=headers)
+
+
+def overloaded(message: str) -> ApiError:
+    """A 503 that tells the client to come back in `RETRY_AFTER_S` seconds."""
+    return ApiError(503, message, retry_after_s=RETRY_AFTER_S)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -60,7 +70,7 @@ def from_exception(exc: BaseException) -> ApiError:
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), exc.param)
     if isinstance(exc, WorkerUnavailableError):
-        return ApiError(503, f"generation service unavailable: {exc}")
+        return overloaded(f"generation service unavailable: {exc}")
     if isinstance(exc, TimeoutError):
         return ApiError(504, str(exc) or "timed out waiting for the generation service")
     if isinstance(exc, PdserveError):

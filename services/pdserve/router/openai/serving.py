@@ -27,9 +27,11 @@ _CANCEL_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class ApiLimits:
-    """Bounds on what one HTTP request may ask for and how long the router waits for it."""
+    """Bounds on what one HTTP request may ask for, how long the router waits for it, and how
+    many are in progress at once."""
 
     max_body_bytes: int = 8 * 1024 * 1024
+    max_pending_requests: int = 1024  # generation requests; one more gets 503 + Retry-After at once
     first_output_timeout_s: float = 600.0  # a long prompt's prefill, queueing included
     output_timeout_s: float = 120.0  # between two outputs of one prompt
     max_choices: int = 256  # prompts × n

@@ -135,9 +135,12 @@ class RoutedBackend:
             await self._pool.handles[decision.decode.worker].client.abort(request_id)
 
     async def stats(self) -> EngineStats:
-        """The sum over workers in rotation; WorkerUnavailableError if no decode worker is."""
+        """The sum over workers in rotation; WorkerUnavailableError, naming why each worker is out,
+        if no decode worker is."""
         if not self._pool.up(DECODE_ROLES):
-            raise WorkerUnavailableError("decode", "no decode or aggregated worker is up")
+            why = "; ".join(f"{h.address}: {h.down_reason or h.refusal or 'never answered'}"
+                            for h in self._pool.handles.values() if not h.is_up)
+            raise WorkerUnavailableError("decode", f"no decode or aggregated worker is up ({why})")
         reports = [h.stats for h in self._pool.handles.values() if h.is_up and h.stats is not None]
         return EngineStats(**{f.name: sum(getattr(s, f.name) for s in reports) for f in fields(EngineStats)})
 

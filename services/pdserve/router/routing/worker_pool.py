@@ -66,6 +66,7 @@ class WorkerHandle:
     is_up: bool = False
     num_failures: int = 0
     refusal: str | None = None  # why an answering worker is kept out
+    down_reason: str | None = None  # why it was last taken out of rotation; None while up
     book: LoadBook = field(default_factory=LoadBook)
 
     @property
@@ -159,7 +160,7 @@ class WorkerPool:
         handle = self.handles[address]
         if not handle.is_up:
             return
-        handle.is_up = False
+        handle.is_up, handle.down_reason = False, reason
         handle.book.clear()
         log.warning("worker %s out of rotation: %s", address, reason)
         if self.listener is not None:
@@ -231,7 +232,7 @@ class WorkerPool:
             log.error("worker %s refused: %s", handle.address, reason)
 
     def _bring_up(self, handle: WorkerHandle) -> None:
-        handle.is_up, handle.num_failures, handle.refusal = True, 0, None
+        handle.is_up, handle.num_failures, handle.refusal, handle.down_reason = True, 0, None, None
         log.info("worker %s (%s, deployment %s) in rotation", handle.address, handle.role,
                  handle.deployment_id or "none")
         if self.listener is not None:

@@ -24,3 +24,10 @@ def test_exceptions_map_to_statuses() -> None:
     for exc, expected in cases:
         error = from_exception(exc)
         assert (error.status, error.message, error.param) == expected
+
+
+def test_an_unavailable_or_overloaded_service_says_when_to_retry_and_nothing_else_does() -> None:
+    overloaded = from_exception(WorkerUnavailableError("w:1", "overloaded: 256 requests are waiting")).to_response()
+    timed_out = from_exception(WorkerTimeoutError("w:1", 2.0)).to_response()
+    assert (overloaded.status_code, overloaded.headers["retry-after"]) == (503, "1")
+    assert (timed_out.status_code, timed_out.headers.get("retry-after")) == (504, None)

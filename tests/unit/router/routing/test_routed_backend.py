@@ -111,8 +111,12 @@ def test_every_worker_lost_is_unavailable() -> None:
         with pytest.raises(WorkerUnavailableError, match="worker b:2 unavailable: connection refused"):
             await texts(backend, request())
         assert backend._pool.up({WorkerRole.BOTH}) == []
-        with pytest.raises(WorkerUnavailableError, match="no decode or aggregated worker is up"):
+        with pytest.raises(WorkerUnavailableError) as caught:
             await backend.stats()
+        assert caught.value.reason == (
+            "no decode or aggregated worker is up ("
+            "a:1: a request failed and so did a stats query: worker a:1 unavailable: connection refused; "
+            "b:2: a request failed and so did a stats query: worker b:2 unavailable: connection refused)")
         with pytest.raises(WorkerUnavailableError, match="no decode or aggregated worker is up"):
             await texts(backend, request("r-1"))
 

@@ -1,16 +1,22 @@
 """A blocking health probe of a worker, for callers without an event loop (the launcher)."""
 import grpc
 
+from pdserve.common.ids import DeploymentId
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
 
 
-def is_worker_serving(address: str, timeout_s: float) -> bool:
-    """True if the worker at `address` answers health with SERVING within `timeout_s`;
-    False if it is unreachable, not serving yet, or its engine failed."""
+def is_worker_serving(address: str, timeout_s: float, deployment_id: DeploymentId | None = None) -> bool:
+    """True if the worker at `address` answers health with SERVING within `timeout_s` and, given
+    `deployment_id`, belongs to that deployment; False if it is unreachable, not serving yet,
+    another deployment's, or its engine failed."""
     with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
         try:
-            reply = worker_pb2_grpc.WorkerStub(channel).Health(wpb.HealthRequest(), timeout=timeout_s)
+            if stub.Health(wpb.HealthRequest(), timeout=timeout_s).status != wpb.SERVING_STATUS_SERVING:
+                return False
+            if deployment_id is None:
+                return True
+            return bool(stub.GetInfo(wpb.GetInfoRequest(), timeout=timeout_s).deployment_id == deployment_id)
         except grpc.RpcError:
             return False
-    return reply.status == wpb.SERVING_STATUS_SERVING

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 from pdserve.common.errors import ConfigError
+from pdserve.common.ids import DeploymentId
 from pdserve.common.ports import check_port_free
 from pdserve.serve.settings import ServeSettings, resolve_serve_settings
 from pdserve.common.settings import WorkerSettings, child_environ, to_argv
@@ -51,9 +52,10 @@ def child_command(settings: ServeSettings) -> tuple[str, ...]:
 
 
 def worker_spec(command: tuple[str, ...], worker: WorkerSettings) -> ChildSpec:
-    address = worker.address
+    """Ready once serving, as serve's own: another deployment's worker on the port is not it."""
+    address, deployment = worker.address, DeploymentId(worker.deployment_id) if worker.deployment_id else None
     return ChildSpec(worker_name(worker), (*command, "worker", *to_argv(worker)),
-                     lambda: is_worker_serving(address, PROBE_TIMEOUT_S),
+                     lambda: is_worker_serving(address, PROBE_TIMEOUT_S, deployment),
                      child_environ())  # the worker sets its own CPU runtime defaults
 
 

@@ -1,8 +1,10 @@
 """`ThreadedEngine`: the `AsyncEngine` a worker serves, driving `LLMEngine` from its own thread.
 
 The step loop runs in one dedicated thread (torch releases the GIL in its kernels, so the
-gRPC event loop stays responsive). Requests and aborts reach it through an inbox; outputs go
-back to each request's asyncio queue with `call_soon_threadsafe`. The loop also wakes when idle
+gRPC event loop stays responsive). Requests, aborts and calls reach it through one inbox of
+typed commands, handled in order between steps (a decode worker's admission decides local or
+remote prefill and reserves in one of them); outputs go back to each request's asyncio queue
+with `call_soon_threadsafe`. The loop also wakes when idle
 (`idle_wait_s`), so periodic duties run every step even when no work arrives.
 """
 import asyncio
@@ -13,12 +15,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pdserve.common.errors import WorkerTimeoutError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
-from pdserve.kvcache import IntegrityError, KvEvent
+from pdserve.common.errors import OutOfBlocksError, WorkerTimeoutError
+from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,6 +32,53 @@ class _Stream:
     outputs: asyncio.Queue
     num_completions: int
     num_finished: int = 0
+
+
+# ---- what the event loop sends the engine thread (one inbox, handled in order between steps) ----
+
+@dataclass(frozen=True, slots=True)
+class _Admit:
+    """Queue a request; `admitted` gets None, or the typed error that refused it."""
+    request: GenerationRequest
+    stream: _Stream
+    admitted: asyncio.Future
+    prefill_only: bool
+    hold_lease_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _AdmitForDecode:
+    """Decode side, in one hop: reserve blocks for a remote prefill, or queue the request here.
+    `verdict` gets a DecodeVerdict, or the typed error that refused the request."""
+    request: GenerationRequest
+    stream: _Stream
+    verdict: asyncio.Future
+    remote_possible: bool
+    min_remote_tokens: int
+    lease_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `fn(*args)` between steps; `done` gets its value or exception. RequestOutputs in a
+    returned list are delivered to their streams."""
+    fn: Callable
+    args: tuple
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeVerdict:
+    """Where a decode worker's request is prefilled: `claim` set for a remote prefill into the
+    reserved blocks, else `local_reason` (the request is queued here already)."""
+    claim: ClaimResult | None
+    local_reason: str | None
 
 
 class ThreadedEngine:
@@ -78,18 +127,32 @@ class ThreadedEngine:
         """Admit and stream the request. `prefill_worker` is ignored here (aggregated serving);
         `prefill_only` stops after the first token and holds the blocks (see LLMEngine)."""
         loop = asyncio.get_running_loop()
-        admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
-        self._send(("add", request, stream, admitted, prefill_only, hold_lease_s))
-        try:
-            await asyncio.wait_for(admitted, self._admit_timeout_s)
-        except asyncio.TimeoutError:
-            await self.abort(request.request_id)
-            raise WorkerTimeoutError(f"request {request.request_id!r} not admitted within {self._admit_timeout_s}s")
+        admitted = loop.create_future()
+        self._send(_Admit(request, stream, admitted, prefill_only, hold_lease_s))
+        await self._until_admitted(request.request_id, admitted)
+        async for output in self.outputs(request, stream.outputs):
+            yield output
+
+    async def admit_for_decode(self, request: GenerationRequest, remote_possible: bool, min_remote_tokens: int,
+                               lease_s: float) -> tuple[DecodeVerdict, asyncio.Queue]:
+        """Decode side, one hop to the engine thread: blocks reserved for a remote prefill when
+        `remote_possible` and at least `min_remote_tokens` of the prompt are not cached here
+        and blocks are free; else the request is queued for a local prefill. The queue gets
+        the request's outputs either way (read it with `outputs`)."""
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
+        verdict = loop.create_future()
+        self._send(_AdmitForDecode(request, stream, verdict, remote_possible, min_remote_tokens, lease_s))
+        return await self._until_admitted(request.request_id, verdict), stream.outputs
+
+    async def outputs(self, request: GenerationRequest, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The admitted request's outputs until each completion has finished; a consumer that
+        stops early aborts the request."""
         finished: set[int] = set()
         try:
             while len(finished) < request.sampling.n:
-                output = await stream.outputs.get()
+                output = await queue.get()
                 if output.is_finished:
                     finished.add(output.index)
                 yield output
@@ -97,8 +160,23 @@ class ThreadedEngine:
             if len(finished) < request.sampling.n:
                 await self.abort(request.request_id)
 
+    async def complete_remote(self, request_id: RequestId, first_token: int, logprob=None) -> None:
+        """Decode side: the prompt's KV has landed; its outputs go to the request's stream."""
+        await self.call(self._engine.complete_remote, request_id, first_token, logprob)
+
+    async def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> None:
+        """Decode side: the transfer failed (blocks quarantined); recompute here or end with an error."""
+        await self.call(self._engine.fail_remote, request_id, recompute, reason)
+
+    async def _until_admitted(self, request_id: RequestId, admitted: asyncio.Future):
+        try:
+            return await asyncio.wait_for(admitted, self._admit_timeout_s)
+        except asyncio.TimeoutError:
+            await self.abort(request_id)
+            raise WorkerTimeoutError(f"request {request_id!r} not admitted within {self._admit_timeout_s}s")
+
     async def abort(self, request_id: RequestId) -> None:
-        self._send(("abort", request_id))
+        self._send(_Abort(request_id))
 
     async def call(self, fn: Callable[..., T], *args, timeout_s: float | None = None) -> T:
         """Run `fn(*args)` on the engine thread between steps; its result or exception comes back here.
@@ -107,7 +185,7 @@ class ThreadedEngine:
         """
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._send(("call", fn, args, loop, done))
+        self._send(_Call(fn, args, loop, done))
         return await asyncio.wait_for(done, timeout_s or self._admit_timeout_s)
 
     async def check_integrity(self) -> KvIntegrity:
@@ -122,15 +200,9 @@ class ThreadedEngine:
             return KvIntegrity(False, str(exc), held, kv.num_used_blocks)
         return KvIntegrity(True, "", held, kv.num_used_blocks)
 
-    def open_stream(self, request_id: RequestId, num_completions: int = 1) -> asyncio.Queue:
-        """A queue receiving the request's outputs (for requests admitted through `call`)."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), num_completions)
-        self._send(("stream", request_id, stream))
-        return stream.outputs
-
     # ---- the engine thread -------------------------------------------------------------------
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: _Admit | _AdmitForDecode | _Abort | _Call) -> None:
         self._inbox.put(command)
         self._wake.set()
 
@@ -152,35 +224,55 @@ class ThreadedEngine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                self._add(*command[1:])
-            elif command[0] == "call":
-                self._run_call(*command[1:])
-            elif command[0] == "stream":
-                self._streams[command[1]] = command[2]
-            else:
-                self._deliver(self._engine.abort(command[1]))
-                self._streams.pop(command[1], None)
+            match command:
+                case _Admit():
+                    self._admit(command)
+                case _AdmitForDecode():
+                    self._admit_for_decode(command)
+                case _Call():
+                    self._run_call(command)
+                case _Abort(request_id):
+                    self._deliver(self._engine.abort(request_id))
+                    self._streams.pop(request_id, None)
 
-    def _add(self, request: GenerationRequest, stream: _Stream, admitted: asyncio.Future,
-             prefill_only: bool, hold_lease_s: float) -> None:
+    def _admit(self, command: _Admit) -> None:
         try:
-            self._engine.add_request(request, prefill_only, hold_lease_s)
+            self._engine.add_request(command.request, command.prefill_only, command.hold_lease_s)
         except Exception as exc:  # a typed error for the caller, raised in its own loop
-            stream.loop.call_soon_threadsafe(_set_exception, admitted, exc)
+            command.stream.loop.call_soon_threadsafe(_set_exception, command.admitted, exc)
             return
-        self._streams[request.request_id] = stream
-        stream.loop.call_soon_threadsafe(_set_result, admitted)
+        self._streams[command.request.request_id] = command.stream
+        command.stream.loop.call_soon_threadsafe(_set_value, command.admitted, None)
 
-    def _run_call(self, fn: Callable, args: tuple, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+    def _admit_for_decode(self, command: _AdmitForDecode) -> None:
+        request, engine = command.request, self._engine
         try:
-            result = fn(*args)
+            verdict = DecodeVerdict(None, "no_prefill_worker")
+            if command.remote_possible:
+                if engine.num_missing_prompt_tokens(request) < command.min_remote_tokens:
+                    verdict = DecodeVerdict(None, "few_missing_tokens")
+                else:
+                    try:
+                        verdict = DecodeVerdict(engine.reserve_remote(request, command.lease_s), None)
+                    except OutOfBlocksError:
+                        verdict = DecodeVerdict(None, "no_free_blocks")
+            if verdict.claim is None:
+                engine.add_request(request)
+        except Exception as exc:  # a typed error for the caller, raised in its own loop
+            command.stream.loop.call_soon_threadsafe(_set_exception, command.verdict, exc)
+            return
+        self._streams[request.request_id] = command.stream
+        command.stream.loop.call_soon_threadsafe(_set_value, command.verdict, verdict)
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            result = command.fn(*command.args)
         except Exception as exc:
-            loop.call_soon_threadsafe(_set_exception, done, exc)
+            command.loop.call_soon_threadsafe(_set_exception, command.done, exc)
             return
         if isinstance(result, list) and all(isinstance(r, RequestOutput) for r in result):
             self._deliver(result)
-        loop.call_soon_threadsafe(_set_value, done, result)
+        command.loop.call_soon_threadsafe(_set_value, command.done, result)
 
     def _step(self) -> None:
         try:
@@ -224,11 +316,6 @@ class ThreadedEngine:
             prefix_cache_queried_tokens=kv.num_query_tokens, prefix_cache_hit_tokens=kv.num_hit_tokens,
             num_preemptions=scheduler.num_preemptions,
         )
-
-
-def _set_result(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 def _set_value(future: asyncio.Future, value: object) -> None:

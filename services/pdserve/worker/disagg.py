@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pdserve.common.disagg import PrefillOrder
-from pdserve.common.errors import OutOfBlocksError, PdserveError, UnknownPeerError, WorkerUnavailableError
+from pdserve.common.errors import PdserveError, UnknownPeerError, WorkerUnavailableError
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
@@ -68,48 +68,34 @@ class DecodeEngine:
         return await self._engine.check_integrity()
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
-        plan = await self._plan(request, prefill_worker)
-        if plan is None:
-            async for output in self._engine.generate(request):
-                yield output
-            return
-        peer, claim = plan
-        outputs = self._engine.open_stream(request.request_id, request.sampling.n)
-        finished = False
-        prefill = asyncio.ensure_future(self._remote_prefill(peer, request, claim))
-        self._prefills.add(prefill)
-        prefill.add_done_callback(self._prefills.discard)
-        try:
-            await asyncio.shield(prefill)  # a client that leaves does not cut the call short
-            while not finished:
-                output = await outputs.get()
-                finished = output.is_finished
-                yield output
-        finally:
-            if not finished:
+        peer, reason = await self._peer(request, prefill_worker)
+        lease_s = self._config.transfer_timeout_s + self._config.lease_grace_s
+        verdict, queue = await self._engine.admit_for_decode(request, peer is not None,
+                                                             self._config.min_remote_prefill_tokens, lease_s)
+        if verdict.claim is None:
+            self._metrics.local_prefills.labels(reason or verdict.local_reason).inc()
+        else:
+            prefill = asyncio.ensure_future(self._remote_prefill(peer, request, verdict.claim))
+            self._prefills.add(prefill)
+            prefill.add_done_callback(self._prefills.discard)
+            try:
+                await asyncio.shield(prefill)  # a client that leaves does not cut the call short
+            except BaseException:
                 await asyncio.shield(self._engine.abort(request.request_id))
+                raise
+        async for output in self._engine.outputs(request, queue):
+            yield output
 
-    async def _plan(self, request: GenerationRequest, prefill_worker: str | None) -> tuple[PrefillPeer, ClaimResult] | None:
-        """The peer and our reservation for a remote prefill, or None to prefill locally."""
+    async def _peer(self, request: GenerationRequest, prefill_worker: str | None) -> tuple[PrefillPeer | None, str | None]:
+        """The prefill worker to use, or None and why the prompt is prefilled here."""
         reason = self._local_reason(request, prefill_worker)
-        if reason is None:
-            missing = await self._engine.call(self._engine.engine.num_missing_prompt_tokens, request)
-            reason = "few_missing_tokens" if missing < self._config.min_remote_prefill_tokens else None
-        peer = None
-        if reason is None:
-            try:
-                peer = await self._peers.get(prefill_worker)
-            except PdserveError as exc:
-                log.warning("prefill worker %s unusable, prefilling locally: %s", prefill_worker, exc)
-                reason = "peer_unavailable"
-        if reason is None:
-            try:
-                lease_s = self._config.transfer_timeout_s + self._config.lease_grace_s
-                return peer, await self._engine.call(self._engine.engine.reserve_remote, request, lease_s)
-            except OutOfBlocksError:
-                reason = "no_free_blocks"
-        self._metrics.local_prefills.labels(reason).inc()
-        return None
+        if reason is not None:
+            return None, reason
+        try:
+            return await self._peers.get(prefill_worker), None
+        except PdserveError as exc:
+            log.warning("prefill worker %s unusable, prefilling locally: %s", prefill_worker, exc)
+            return None, "peer_unavailable"
 
     @staticmethod
     def _local_reason(request: GenerationRequest, prefill_worker: str | None) -> str | None:
@@ -120,8 +106,7 @@ class DecodeEngine:
         return None
 
     async def _remote_prefill(self, peer: PrefillPeer, request: GenerationRequest, claim: ClaimResult) -> None:
-        engine = self._engine.engine
-        first_block = claim.num_cached_tokens // engine.kv.tokens_per_block
+        first_block = claim.num_cached_tokens // self._engine.engine.kv.tokens_per_block
         order = PrefillOrder(request, self._config.worker_id, first_block, claim.block_ids[first_block:],
                              self._config.transfer_timeout_s)
         start = time.perf_counter()
@@ -138,8 +123,8 @@ class DecodeEngine:
             self._metrics.failures.labels("received").inc()
             if isinstance(exc, (WorkerUnavailableError, UnknownPeerError)):
                 await self._peers.forget(peer)
-            await self._engine.call(engine.fail_remote, request.request_id, self._config.recompute_on_failure,
-                                    f"KV transfer from {peer.address} failed: {exc}")
+            await self._engine.fail_remote(request.request_id, self._config.recompute_on_failure,
+                                           f"KV transfer from {peer.address} failed: {exc}")
             return
         self._metrics.transferred("received", result.num_blocks, result.num_bytes, time.perf_counter() - start)
-        await self._engine.call(engine.complete_remote, request.request_id, result.first_token, result.logprob)
+        await self._engine.complete_remote(request.request_id, result.first_token, result.logprob)

@@ -1,22 +1,25 @@
 """A decode worker's connections to prefill workers: one gRPC channel and one NIXL handshake each.
 
 Handshakes to different addresses run independently (one lock per address), so an unreachable
-prefill worker delays only the requests sent to it. A peer that stops answering is retired:
+prefill worker delays only the requests sent to it, and after a failed handshake the address is
+not dialled again for `RETRY_AFTER_S` (its requests prefill locally meanwhile). A peer that stops answering is retired:
 the next request re-handshakes with whatever now answers at that address (it may have
 restarted), while calls already in flight on the old channel finish on it — retiring a peer
 never cancels another request's prefill (and with it, a reservation a write may still reach).
 """
 import asyncio
 import logging
+import time
 from collections import defaultdict
 
 from pdserve.common.disagg import PrefillOrder, PrefillResult
-from pdserve.common.errors import PdserveError
+from pdserve.common.errors import PdserveError, WorkerUnavailableError
 from pdserve.common.ids import WorkerId
 from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.transfer.interface import KvTransport
 
 log = logging.getLogger(__name__)
+RETRY_AFTER_S = 5.0
 
 
 class PrefillPeer:
@@ -51,6 +54,7 @@ class PrefillPeers:
         self._rpc_timeout_s = rpc_timeout_s
         self._peers: dict[str, PrefillPeer] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._retry_at: dict[str, float] = {}  # address -> when to dial it again after a failed handshake
 
     async def get(self, address: str) -> PrefillPeer:
         """The connected peer at `address`; raises IncompatiblePeerError, TransferError or
@@ -58,7 +62,15 @@ class PrefillPeers:
         async with self._locks[address]:
             peer = self._peers.get(address)
             if peer is None:
-                peer = await self._connect(address)
+                wait_s = self._retry_at.get(address, 0.0) - time.monotonic()
+                if wait_s > 0:
+                    raise WorkerUnavailableError(address, f"its last KV handshake failed; next try in {wait_s:.1f} s")
+                try:
+                    peer = await self._connect(address)
+                except PdserveError:
+                    self._retry_at[address] = time.monotonic() + RETRY_AFTER_S
+                    raise
+                self._retry_at.pop(address, None)
                 self._peers[address] = peer
             return peer
 

@@ -65,18 +65,23 @@ def test_abandoning_the_stream_aborts_and_frees_blocks(threaded):
     threaded.engine.kv.check_integrity()
 
 
-def test_call_runs_on_the_engine_thread_and_streams_outputs(threaded):
+def test_admission_for_decode_reserves_in_one_hop_and_a_failed_transfer_recomputes(threaded):
     async def main():
-        claim = await threaded.call(threaded.engine.reserve_remote, request("r", [5, 6, 7]), 5.0)
-        assert claim.num_cached_tokens == 0
-        outputs = threaded.open_stream(RequestId("r"))
-        await threaded.call(threaded.engine.fail_remote, RequestId("r"), True, "x")
-        tokens = []
-        while True:
-            out = await asyncio.wait_for(outputs.get(), 10)
-            tokens += out.token_ids
-            if out.is_finished:
-                return tokens
+        req = request("r", [5, 6, 7])
+        verdict, queue = await threaded.admit_for_decode(req, remote_possible=True, min_remote_tokens=1, lease_s=5.0)
+        assert verdict.local_reason is None and verdict.claim.num_cached_tokens == 0
+        await threaded.fail_remote(RequestId("r"), recompute=True, reason="x")
+        return [t async for out in threaded.outputs(req, queue) for t in out.token_ids]
+
+    assert asyncio.run(main()) == reference([5, 6, 7], 8)
+
+
+def test_admission_for_decode_prefills_locally_when_few_tokens_are_missing(threaded):
+    async def main():
+        req = request("r", [5, 6, 7])
+        verdict, queue = await threaded.admit_for_decode(req, remote_possible=True, min_remote_tokens=4, lease_s=5.0)
+        assert verdict.claim is None and verdict.local_reason == "few_missing_tokens"
+        return [t async for out in threaded.outputs(req, queue) for t in out.token_ids]
 
     assert asyncio.run(main()) == reference([5, 6, 7], 8)
 

@@ -25,7 +25,15 @@ import pytest
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
 from pdserve.rpc.worker_client import GrpcBackend
-from tests.integration.stack import free_port, make_tiny_checkpoint, start, stop, wait_for_http, wait_for_worker
+from tests.integration.stack import (
+    free_port,
+    make_tiny_checkpoint,
+    metric,
+    start,
+    stop,
+    wait_for_http,
+    wait_for_worker,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
@@ -134,9 +142,11 @@ def test_requests_past_the_routers_bound_get_503_at_once_and_the_admitted_comple
         for response in refused:
             assert_overloaded(response, "2 requests in progress (--max-pending-requests 2)")
         assert (len(held), s.stall.exists()) == (2, True)  # admitted, and still held by the engine
+        assert metric(f"{s.url}/metrics", "pdserve_http_requests_in_progress") == 2
         s.stall.unlink()
         assert [f.result(WAIT_S).status_code for f in held] == [200, 200]
         assert settled(s.worker, baseline[1]) == baseline
+        assert metric(f"{s.url}/metrics", "pdserve_http_requests_in_progress") == 0
 
 
 def test_a_request_past_the_workers_bound_gets_resource_exhausted_as_503(checkpoint, tmp_path) -> None:

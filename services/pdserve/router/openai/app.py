@@ -69,7 +69,8 @@ def create_app(
 
     app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    app.add_middleware(PendingLimit, max_pending=limits.max_pending_requests, paths=_GENERATION_ROUTES)
+    app.add_middleware(PendingLimit, max_pending=limits.max_pending_requests, paths=_GENERATION_ROUTES,
+                       in_progress=ctx.metrics.in_progress)
     app.add_middleware(_CountRequests, metrics=ctx.metrics)  # the outer one: refusals are counted too
     _add_generation_routes(app, ctx, routing)
     _add_status_routes(app, ctx)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -26,6 +26,9 @@ class RouterMetrics:
         self.requests = Counter(
             "pdserve_http_requests", "HTTP requests answered, by route and status code",
             ["route", "status"], registry=reg)
+        self.in_progress = Gauge(
+            "pdserve_http_requests_in_progress", "Generation requests in progress (bounded by --max-pending-requests)",
+            registry=reg)
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds", "Request arrival to its first generated token",
             buckets=_LATENCY_BUCKETS, registry=reg)

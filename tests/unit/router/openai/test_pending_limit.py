@@ -4,6 +4,8 @@ import json
 from collections.abc import Coroutine
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from pdserve.router.openai.admission import PendingLimit
 
 WAIT_S = 10.0
@@ -38,6 +40,12 @@ async def call(app: PendingLimit, path: str) -> tuple[int, dict[str, str], bytes
     return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
 
 
+def limited(app: HeldApp, max_pending: int) -> tuple[PendingLimit, CollectorRegistry]:
+    registry = CollectorRegistry()
+    gauge = Gauge("in_progress", "generation requests in progress", registry=registry)
+    return PendingLimit(app, max_pending, {GENERATION}, gauge), registry
+
+
 def run(scenario: Coroutine[Any, Any, None]) -> None:
     asyncio.run(asyncio.wait_for(scenario, 30))
 
@@ -45,7 +53,7 @@ def run(scenario: Coroutine[Any, Any, None]) -> None:
 def test_past_the_bound_a_generation_request_gets_503_with_retry_after_and_the_envelope() -> None:
     async def scenario() -> None:
         inner = HeldApp()
-        limit = PendingLimit(inner, max_pending=2, paths={GENERATION})
+        limit, registry = limited(inner, max_pending=2)
         admitted = [asyncio.create_task(call(limit, GENERATION)) for _ in range(2)]
         while inner.num_seen < 2:
             await asyncio.sleep(0.001)
@@ -54,10 +62,10 @@ def test_past_the_bound_a_generation_request_gets_503_with_retry_after_and_the_e
         assert json.loads(body) == {"error": {
             "message": "2 requests in progress (--max-pending-requests 2); retry later",
             "type": "ServiceUnavailableError", "param": None, "code": 503}}
-        assert (inner.num_seen, limit.num_pending) == (2, 2)
+        assert (inner.num_seen, limit.num_pending, registry.get_sample_value("in_progress")) == (2, 2, 2.0)
         inner.release.set()
         assert [(await task)[0] for task in admitted] == [200, 200]
-        assert limit.num_pending == 0
+        assert (limit.num_pending, registry.get_sample_value("in_progress")) == (0, 0.0)
         assert (await call(limit, GENERATION))[0] == 200
 
     run(scenario())
@@ -66,7 +74,7 @@ def test_past_the_bound_a_generation_request_gets_503_with_retry_after_and_the_e
 def test_other_routes_are_never_refused_or_counted() -> None:
     async def scenario() -> None:
         inner = HeldApp()
-        limit = PendingLimit(inner, max_pending=1, paths={GENERATION})
+        limit, _ = limited(inner, max_pending=1)
         held = asyncio.create_task(call(limit, GENERATION))
         while inner.num_seen < 1:
             await asyncio.sleep(0.001)

@@ -12,7 +12,13 @@ from typing import NoReturn
 import grpc
 
 from pdserve.common.engine_api import AsyncEngine
-from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, PdserveError
+from pdserve.common.errors import (
+    DuplicateRequestError,
+    EngineWedgedError,
+    InvalidRequestError,
+    OverloadedError,
+    PdserveError,
+)
 from pdserve.common.ids import DeploymentId, RequestId
 from pdserve.common.request import GenerationRequest
 from pdserve.rpc import convert
@@ -44,6 +50,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             await self._stream(gen_request, convert.prefill_worker_from_proto(request), context)
         except DuplicateRequestError as exc:  # the id names another live request: leave it be
+            await _fail(context, exc)
+        except (OverloadedError, EngineWedgedError) as exc:  # refused before admission: nothing to abort
             await _fail(context, exc)
         except PdserveError as exc:
             await self._abort_in_engine(gen_request.request_id)

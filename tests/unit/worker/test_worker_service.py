@@ -14,6 +14,7 @@ from pdserve.common.errors import (
     DuplicateRequestError,
     EngineWedgedError,
     InvalidRequestError,
+    OverloadedError,
     WorkerTimeoutError,
     WorkerUnavailableError,
 )
@@ -148,6 +149,18 @@ def test_duplicate_request_id_is_refused_without_aborting_the_holder() -> None:
         engine = FakeEngine(fail_with=DuplicateRequestError("req-1 is already running"))
         async with serving(engine) as (_, backend):
             with pytest.raises(DuplicateRequestError, match="req-1 is already running"):
+                [out async for out in backend.generate(make_request("req-1"))]
+        assert engine.aborted == []
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("refusal", [OverloadedError("1 requests are waiting"), EngineWedgedError("engine wedged")])
+def test_a_request_refused_before_admission_is_unavailable_and_aborts_nothing(refusal: Exception) -> None:
+    async def scenario() -> None:
+        engine = FakeEngine(fail_with=refusal)
+        async with serving(engine) as (_, backend):
+            with pytest.raises(WorkerUnavailableError, match=str(refusal)):
                 [out async for out in backend.generate(make_request("req-1"))]
         assert engine.aborted == []
 

@@ -141,3 +141,18 @@ def test_clients_dropping_streams_during_remote_prefills_give_every_block_back(s
     assert ok and used <= baseline
     assert asyncio.run(_generate(stack, _request("after-drops", 4))) == \
         asyncio.run(_generate(stack, _request("after-drops-ref", 4), prefill=False))
+
+
+def test_the_first_output_names_the_worker_that_prefilled_the_prompt(stack):
+    async def first_output(request: GenerationRequest, prefill: bool):
+        backend = GrpcBackend(stack.decode_address)
+        try:
+            outputs = [out async for out in backend.generate(request, stack.prefill_address if prefill else None)]
+        finally:
+            await backend.close()
+        return outputs[0], outputs[1:]
+
+    remote, rest = asyncio.run(first_output(_request("path-remote", 20), prefill=True))
+    assert remote.prefilled_by == stack.prefill_address and all(o.prefilled_by == "" for o in rest)
+    local, _ = asyncio.run(first_output(_request("path-local", 21), prefill=False))
+    assert local.prefilled_by == "local"

@@ -79,6 +79,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # A decode worker's first output: the address of the prefill worker that computed the
+    # prompt, or "local" (the path that actually ran, whatever the router asked for).
+    prefilled_by: str = ""
 
     @property
     def is_finished(self) -> bool:

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.common.disagg import PrefillOrder
 from pdserve.common.errors import PdserveError, UnknownPeerError, WorkerUnavailableError
@@ -33,6 +33,7 @@ from pdserve.worker.kv_peers import PrefillPeer, PrefillPeers
 from pdserve.worker.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
+LOCAL = "local"  # RequestOutput.prefilled_by when this worker computed the prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class DecodeEngine:
         lease_s = self._config.transfer_timeout_s + self._config.lease_grace_s
         verdict, queue = await self._engine.admit_for_decode(request, peer is not None,
                                                              self._config.min_remote_prefill_tokens, lease_s)
+        prefilled_by = LOCAL
         if verdict.claim is None:
             self._metrics.local_prefills.labels(reason or verdict.local_reason).inc()
         else:
@@ -79,12 +81,15 @@ class DecodeEngine:
             self._prefills.add(prefill)
             prefill.add_done_callback(self._prefills.discard)
             try:
-                await asyncio.shield(prefill)  # a client that leaves does not cut the call short
+                # a client that leaves does not cut the call short
+                prefilled_by = peer.address if await asyncio.shield(prefill) else LOCAL
             except BaseException:
                 await asyncio.shield(self._engine.abort(request.request_id))
                 raise
+        is_first = True
         async for output in self._engine.outputs(request, queue):
-            yield output
+            yield replace(output, prefilled_by=prefilled_by) if is_first else output
+            is_first = False
 
     async def _peer(self, request: GenerationRequest, prefill_worker: str | None) -> tuple[PrefillPeer | None, str | None]:
         """The prefill worker to use, or None and why the prompt is prefilled here."""
@@ -105,7 +110,8 @@ class DecodeEngine:
             return "n_gt_1"
         return None
 
-    async def _remote_prefill(self, peer: PrefillPeer, request: GenerationRequest, claim: ClaimResult) -> None:
+    async def _remote_prefill(self, peer: PrefillPeer, request: GenerationRequest, claim: ClaimResult) -> bool:
+        """True once the prompt's KV has landed; False when it is recomputed here (or failed)."""
         first_block = claim.num_cached_tokens // self._engine.engine.kv.tokens_per_block
         order = PrefillOrder(request, self._config.worker_id, first_block, claim.block_ids[first_block:],
                              self._config.transfer_timeout_s)
@@ -125,6 +131,7 @@ class DecodeEngine:
                 await self._peers.forget(peer)
             await self._engine.fail_remote(request.request_id, self._config.recompute_on_failure,
                                            f"KV transfer from {peer.address} failed: {exc}")
-            return
+            return False
         self._metrics.transferred("received", result.num_blocks, result.num_bytes, time.perf_counter() - start)
         await self._engine.complete_remote(request.request_id, result.first_token, result.logprob)
+        return True

@@ -45,13 +45,17 @@ class RouteDecision:
     prefill: Leg | None  # None: the decode worker prefills the prompt itself
     num_prompt_blocks: int
     is_decode_only_fallback: bool  # prefill workers exist, but none was up
+    prefilled_by: str = ""  # what the decode worker's first output reported: an address, or "local"
 
     def describe(self) -> str:
-        """`decode=<addr>;decode_overlap=<blocks>[;prefill=<addr>;prefill_overlap=<blocks>];prompt_blocks=<n>`"""
+        """`decode=<addr>;decode_overlap=<blocks>[;prefill=<addr>;prefill_overlap=<blocks>];prompt_blocks=<n>`,
+        then `;prefilled_by=<addr|local>` once the decode worker has said where the prompt was computed."""
         parts = [f"decode={self.decode.worker}", f"decode_overlap={self.decode.overlap.num_blocks}"]
         if self.prefill is not None:
             parts += [f"prefill={self.prefill.worker}", f"prefill_overlap={self.prefill.overlap.num_blocks}"]
         parts.append(f"prompt_blocks={self.num_prompt_blocks}")
+        if self.prefilled_by:
+            parts.append(f"prefilled_by={self.prefilled_by}")
         return ";".join(parts)
 
 

@@ -13,7 +13,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import BlockHash, RequestId, WorkerId
@@ -95,6 +95,7 @@ class RoutedBackend:
                         is_first = False
                         pool.prefill_done(decode, decode_load)
                         self._finish(prefill, prefill_load)
+                        self._note_prefill_path(request.request_id, decision, output.prefilled_by)
                     yield output
         finally:
             self._live.pop(request.request_id, None)
@@ -117,6 +118,18 @@ class RoutedBackend:
         while len(self._decisions) > MAX_KEPT_DECISIONS:
             self._decisions.popitem(last=False)
         log.info("route %s %s", request_id, decision.describe())
+
+    def _note_prefill_path(self, request_id: RequestId, decision: RouteDecision, prefilled_by: str) -> None:
+        """Keep the path that ran for `describe_route`; count a prefill worker that was chosen
+        but not used (the decode worker prefilled locally: few tokens missing, peer down, ...)."""
+        if not prefilled_by:  # an aggregated worker says nothing: it always prefills itself
+            return
+        if decision.prefill is not None and prefilled_by != decision.prefill.worker:
+            self._cluster.counters.num_local_prefills_instead += 1
+            log.info("route %s: decode worker %s prefilled locally instead of on %s", request_id,
+                     decision.decode.worker, decision.prefill.worker)
+        if request_id in self._decisions:
+            self._decisions[request_id] = replace(decision, prefilled_by=prefilled_by)
 
     def describe_route(self, request_id: RequestId) -> str | None:
         """The request's latest decision (`RouteDecision.describe`), once; None if unknown."""

@@ -25,6 +25,7 @@ class RoutingCounters:
         self.resyncs: Counter[tuple[str, str]] = Counter()  # (worker, reason)
         self.retries: Counter[str] = Counter()  # worker that failed before the first output
         self.num_decode_only_fallbacks = 0
+        self.num_local_prefills_instead = 0  # a prefill worker was chosen; the decode worker prefilled itself
 
     def count_route(self, worker: WorkerId, role: str, num_prompt_blocks: int, overlap: Overlap) -> None:
         self.routed[worker, role] += 1
@@ -68,6 +69,9 @@ class RoutingCollector(Collector):
         yield CounterMetricFamily("pdserve_router_decode_only_fallbacks",
                                   "Requests prefilled on their decode worker because no prefill worker was up",
                                   value=c.num_decode_only_fallbacks)
+        yield CounterMetricFamily("pdserve_router_local_prefills_instead",
+                                  "Requests routed to a prefill worker whose decode worker prefilled them itself",
+                                  value=c.num_local_prefills_instead)
         yield from self._worker_gauges()
 
     def _worker_gauges(self) -> Iterator[Metric]:

@@ -31,7 +31,8 @@ class FakeClock:
 
 class FakeWorker:
     """`WorkerClient`. `is_down`: every call fails as unreachable. `fail_generate_after`: the
-    stream yields that many outputs, then fails as unreachable."""
+    stream yields that many outputs, then fails as unreachable. Told a prefill worker, its first
+    output reports it, or "local" when `prefills_locally`."""
 
     def __init__(self, address: str, model_info: ModelInfo, report: EngineStats | None = None,
                  deployment_id: DeploymentId | None = None) -> None:
@@ -41,6 +42,7 @@ class FakeWorker:
         self.report = report or stats()
         self.is_down = False
         self.fail_generate_after: int | None = None
+        self.prefills_locally = False
         self.generated: list[tuple[RequestId, str | None]] = []  # (request id, prefill worker)
         self.aborted: list[RequestId] = []
 
@@ -62,7 +64,9 @@ class FakeWorker:
         for i in range(2):
             if self.fail_generate_after == i:
                 raise WorkerUnavailableError(self.address, "stream broke")
-            yield RequestOutput(request.request_id, 0, (i,), f"t{i}", finish_reason="length" if i == 1 else None)
+            prefilled_by = "" if i or prefill_worker is None else "local" if self.prefills_locally else prefill_worker
+            yield RequestOutput(request.request_id, 0, (i,), f"t{i}", finish_reason="length" if i == 1 else None,
+                                prefilled_by=prefilled_by)
 
     async def abort(self, request_id: RequestId) -> None:
         self.aborted.append(request_id)

@@ -61,12 +61,27 @@ def test_the_decode_worker_is_told_its_prefill_worker() -> None:
         backend = await routed(workers)
         assert await texts(backend, request()) == ["t0", "t1"]
         assert backend.describe_route(RequestId("r-0")) == (
-            "decode=d:2;decode_overlap=0;prefill=p:1;prefill_overlap=0;prompt_blocks=5")
+            "decode=d:2;decode_overlap=0;prefill=p:1;prefill_overlap=0;prompt_blocks=5;prefilled_by=p:1")
         assert backend.describe_route(RequestId("r-0")) is None  # told once
         await backend.close()
 
     asyncio.run(scenario())
     assert (workers["d:2"].generated, workers["p:1"].generated) == ([("r-0", "p:1")], [])
+
+
+def test_the_route_reports_the_path_that_ran_when_the_decode_worker_prefilled_itself() -> None:
+    workers = {"p:1": FakeWorker("p:1", info(WorkerRole.PREFILL)), "d:2": FakeWorker("d:2", info(WorkerRole.DECODE))}
+    workers["d:2"].prefills_locally = True  # e.g. the prompt was in its own cache
+
+    async def scenario() -> RoutedBackend:
+        backend = await routed(workers)
+        assert await texts(backend, request()) == ["t0", "t1"]
+        return backend
+
+    backend = asyncio.run(scenario())
+    assert backend.describe_route(RequestId("r-0")).endswith(";prefill=p:1;prefill_overlap=0;prompt_blocks=5;"
+                                                             "prefilled_by=local")
+    assert backend._cluster.counters.num_local_prefills_instead == 1
 
 
 def test_a_worker_lost_before_answering_is_dropped_and_the_request_routed_again() -> None:

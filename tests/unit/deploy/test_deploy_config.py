@@ -160,3 +160,9 @@ def test_the_runtime_stage_takes_only_the_venv_from_the_build_stage() -> None:
     runtime = dockerfile[dockerfile.rindex("\nFROM "):]
     assert "/wheels" not in runtime and "pip install" not in runtime
     assert re.findall(r"^COPY .*$", runtime, re.M) == ["COPY --from=build /opt/pdserve/venv /opt/pdserve/venv"]
+
+
+def test_each_stack_has_one_deployment_id_so_its_router_admits_only_its_own_workers() -> None:
+    for settings in (compose_settings(), k8s_settings()):
+        ids = {s.deployment_id for s in settings.values()}
+        assert len(ids) == 1 and None not in ids, ids

@@ -86,3 +86,8 @@ class OverloadedError(PdserveError):
 class EngineWedgedError(PdserveError):
     """The engine thread has not come back from a step (or call) within its deadline while work
     waits for it: the worker cannot serve (gRPC UNAVAILABLE; health NOT_SERVING)."""
+
+
+class WorkerDrainingError(PdserveError):
+    """The worker is shutting down: it finishes the requests it runs and refuses new ones
+    (gRPC UNAVAILABLE, so the router routes elsewhere; health NOT_SERVING)."""

@@ -18,6 +18,7 @@ from pdserve.common.errors import (
     UnknownPeerError,
     UnknownRequestError,
     WorkerError,
+    WorkerDrainingError,
     WorkerTimeoutError,
     WorkerUnavailableError,
 )
@@ -33,6 +34,7 @@ _CODES: tuple[tuple[type[PdserveError], grpc.StatusCode], ...] = (
     (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineWedgedError, grpc.StatusCode.UNAVAILABLE),
+    (WorkerDrainingError, grpc.StatusCode.UNAVAILABLE),
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (IncompatiblePeerError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownPeerError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -16,10 +16,13 @@ from pdserve.rpc.status import error_from_rpc
 R = TypeVar("R", bound=Message)
 
 # Pings find a worker that vanished without closing the connection (the worker allows
-# pings every 5 s at most; see worker/server.py).
+# pings every 5 s at most; see worker/server.py). A worker that died is redialled at least
+# every 2 s (gRPC's default backoff grows to 120 s), so a restarted worker rejoins promptly.
 CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 
 

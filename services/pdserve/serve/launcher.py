@@ -1,11 +1,16 @@
 """`pdserve serve`: the router and its workers (prefill + decode, or role both), as processes.
 
-A port it was told to use (`--port`, `--worker-port`, `--metrics-port`) that another process
-holds is a one-line error before anything starts. Starts every worker at once and waits (bounded) for each one's gRPC health, starts the router
-with one `--worker` per worker and waits for its HTTP `/health`, prints the URL, the topology
-and a curl line, then watches them all. Ctrl-C or SIGTERM stops every process (router first);
-a child that dies stops the others and makes `serve` exit 1 with one line. Each child is
-tethered to this process (`tether.py`): killed with SIGKILL, serve takes its children with it.
+A port it was told to use (`--port`, `--worker-port`, `--metrics-port`, `--serve-metrics-port`)
+that another process holds is a one-line error before anything starts. Starts every worker at
+once and waits (bounded) for each one's gRPC health, starts the router with one `--worker` per
+worker and waits for its HTTP `/health`, prints the URL, the topology and a curl line, then
+watches them all. A worker that exits is restarted on the same port with the same flags (so the
+same deployment id) after a backoff (`--restart-backoff`, doubled per death in a row up to
+`--max-restart-backoff`); the router takes it back once its health check passes. Each restart
+is a line on stderr and counts in `pdserve_worker_restarts_total` on serve's own `/metrics`.
+Ctrl-C or SIGTERM stops every process (router first; each worker drains); a router that dies
+stops the others and makes `serve` exit 1 with one line. Each child is tethered to this process
+(`tether.py`): killed with SIGKILL, serve takes its children with it.
 """
 import json
 import os
@@ -21,7 +26,8 @@ from pdserve.serve.settings import ServeSettings, resolve_serve_settings
 from pdserve.common.settings import WorkerSettings, child_environ, to_argv
 from pdserve.common.stats import WorkerRole
 from pdserve.rpc.probe import is_worker_serving
-from pdserve.serve.supervisor import ChildFailedError, ChildSpec, StopRequested, Supervisor
+from pdserve.serve.restarts import WorkerRestarts
+from pdserve.serve.supervisor import ChildFailedError, ChildSpec, RestartPolicy, StopRequested, Supervisor
 
 PROBE_TIMEOUT_S = 1.0
 EXAMPLE_PROMPT = "The capital of France is"
@@ -51,12 +57,12 @@ def child_command(settings: ServeSettings) -> tuple[str, ...]:
     return (sys.executable, "-m", "pdserve.serve.tether", str(os.getpid()), f"{settings.shutdown_timeout_s:g}")
 
 
-def worker_spec(command: tuple[str, ...], worker: WorkerSettings) -> ChildSpec:
+def worker_spec(command: tuple[str, ...], worker: WorkerSettings, restart: RestartPolicy) -> ChildSpec:
     """Ready once serving, as serve's own: another deployment's worker on the port is not it."""
     address, deployment = worker.address, DeploymentId(worker.deployment_id) if worker.deployment_id else None
     return ChildSpec(worker_name(worker), (*command, "worker", *to_argv(worker)),
                      lambda: is_worker_serving(address, PROBE_TIMEOUT_S, deployment),
-                     child_environ())  # the worker sets its own CPU runtime defaults
+                     child_environ(), restart)  # the worker sets its own CPU runtime defaults
 
 
 def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
@@ -66,7 +72,13 @@ def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
     command = child_command(settings)
     router = ChildSpec("router", (*command, "router", *to_argv(settings.router)),
                        lambda: is_http_healthy(url), child_environ())
-    return [[worker_spec(command, worker) for worker in settings.workers], [router]]
+    workers = [worker_spec(command, worker, settings.restart_policy) for worker in settings.workers]
+    return [workers, [router]]
+
+
+def worker_restarts(settings: ServeSettings) -> WorkerRestarts:
+    """The listener that logs and counts serve's worker restarts, labelled by address and role."""
+    return WorkerRestarts({worker_name(w): {"worker": w.address, "role": str(w.role)} for w in settings.workers})
 
 
 def check_ports(settings: ServeSettings) -> None:
@@ -76,9 +88,11 @@ def check_ports(settings: ServeSettings) -> None:
         check_port_free("--worker-port", worker.host, worker.port)
         if worker.metrics_port:
             check_port_free("--metrics-port", worker.host, worker.metrics_port)
+    if settings.serve_metrics_port:
+        check_port_free("--serve-metrics-port", settings.router.host, settings.serve_metrics_port)
 
 
-def topology_lines(settings: ServeSettings) -> list[str]:
+def topology_lines(settings: ServeSettings, serve_metrics_port: int | None) -> list[str]:
     lines = [f"  router   {base_url(settings)}  deployment {settings.router.deployment_id}"]
     for worker in settings.workers:
         port = worker.metrics_port
@@ -87,17 +101,20 @@ def topology_lines(settings: ServeSettings) -> list[str]:
     threads = {worker.num_threads for worker in settings.workers}.pop()
     shown = "torch's default" if threads is None else str(threads)
     lines.append(f"  torch threads per worker: {shown} (--num-threads sets it)")
+    if serve_metrics_port is not None:
+        host = base_url(settings).rsplit(":", 1)[0]
+        lines.append(f"  worker restarts: {host}:{serve_metrics_port}/metrics (pdserve_worker_restarts_total)")
     return lines
 
 
-def ready_banner(settings: ServeSettings) -> str:
+def ready_banner(settings: ServeSettings, serve_metrics_port: int | None) -> str:
     url = base_url(settings)
     model = settings.workers[0].model_name
     body = json.dumps({"model": model, "prompt": EXAMPLE_PROMPT, "max_tokens": 16})
     curl = (f"curl -s {url}/v1/completions -H 'Content-Type: application/json' "
             f"-d {shlex.quote(body)}")
     return "\n".join([f"pdserve is ready at {url} (model {model}); Ctrl-C stops it.",
-                      "Topology:", *topology_lines(settings), "Try:", f"  {curl}"])
+                      "Topology:", *topology_lines(settings, serve_metrics_port), "Try:", f"  {curl}"])
 
 
 def run(stages: list[list[ChildSpec]], banner: str, supervisor: Supervisor) -> int:
@@ -124,12 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
-    supervisor = Supervisor(settings.startup_timeout_s, settings.shutdown_timeout_s)
+    restarts = worker_restarts(settings)
+    metrics_port = (None if settings.serve_metrics_port is None
+                    else restarts.serve(settings.router.host, settings.serve_metrics_port))
+    supervisor = Supervisor(settings.startup_timeout_s, settings.shutdown_timeout_s, listener=restarts)
     supervisor.install_signal_handlers()
     roles = ", ".join(str(worker.role) for worker in settings.workers)
     print(f"pdserve serve: starting workers ({roles}), then the router; model loading takes a while",
           flush=True)
-    return run(child_stages(settings), ready_banner(settings), supervisor)
+    return run(child_stages(settings), ready_banner(settings, metrics_port), supervisor)
 
 
 if __name__ == "__main__":

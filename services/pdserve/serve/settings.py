@@ -28,6 +28,7 @@ from pdserve.common.settings import (
     resolve_sources,
 )
 from pdserve.common.stats import WorkerRole
+from pdserve.serve.supervisor import RestartPolicy
 
 # Torch threads per worker when serve starts several workers and --num-threads is unset: each
 # worker would otherwise take every core, and the workers would contend for them.
@@ -86,9 +87,22 @@ class ServeSettings:
                                    help="how long each process may take to become ready (seconds)")
     shutdown_timeout_s: float = opt(15.0, parse=cv.parse_float, flag="shutdown-timeout",
                                     help="how long each process may take to stop before it is killed")
+    restart_backoff_s: float = opt(1.0, parse=cv.parse_float, flag="restart-backoff",
+                                   help="wait before restarting a worker that exited (seconds); doubled for each "
+                                        "death in a row, up to --max-restart-backoff")
+    max_restart_backoff_s: float = opt(30.0, parse=cv.parse_float, flag="max-restart-backoff",
+                                       help="longest wait before restarting a worker (seconds)")
+    serve_metrics_port: int | None = opt(0, parse=cv.optional(cv.parse_int),
+                                         help="serve's own Prometheus metrics (pdserve_worker_restarts_total) on "
+                                              "this port (0: a free port, in the banner; '': none)")
 
     def __post_init__(self) -> None:
-        check_positive(self, "startup_timeout_s", "shutdown_timeout_s")
+        check_positive(self, "startup_timeout_s", "shutdown_timeout_s", "restart_backoff_s",
+                       "max_restart_backoff_s")
+        check(self.max_restart_backoff_s >= self.restart_backoff_s, "max_restart_backoff_s",
+              self.max_restart_backoff_s, f"must be >= --restart-backoff ({self.restart_backoff_s:g})")
+        check(self.serve_metrics_port is None or 0 <= self.serve_metrics_port < 65536, "serve_metrics_port",
+              self.serve_metrics_port, "must be in 0..65535")
         roles = {w.role for w in self.workers}
         is_valid = roles == {WorkerRole.BOTH} or (WorkerRole.DECODE in roles and WorkerRole.BOTH not in roles)
         check(is_valid, "role", sorted(roles), "serve runs role=both workers, or decode (and prefill) workers")
@@ -99,6 +113,10 @@ class ServeSettings:
         deployments = {w.deployment_id for w in self.workers}
         check(deployments == {self.router.deployment_id}, "deployment_id", sorted(map(str, deployments)),
               f"serve's workers belong to its router's deployment {self.router.deployment_id!r}")
+
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(self.restart_backoff_s, self.max_restart_backoff_s)
 
 
 def worker_ports(base: WorkerSettings, num_workers: int) -> tuple[int, ...]:

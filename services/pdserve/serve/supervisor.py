@@ -1,10 +1,16 @@
-"""Child processes started in order (a group at a time), each waited on until ready, all stopped
-on the way out.
+"""Child processes started in order (a group at a time), each waited on until ready, watched,
+restarted with backoff where their spec says so, and all stopped on the way out.
 
 Contract: once `stop_all()` returns, no child is alive. Each child is first sent the stop
 signal, then given `shutdown_timeout_s`, then killed; children stop in reverse start order
 (the router before the workers it calls). Children run in their own sessions, so a terminal's
 Ctrl-C reaches only the supervisor, which forwards it in that order.
+
+Restarts: a child with a `RestartPolicy` that exits while watched (killed, crashed, or drained
+after its own SIGTERM) is started again with the same command line after a backoff that doubles
+with each death in a row; one that stays up `reset_after_s` starts a new series. A restarted
+child not ready within `startup_timeout_s` is killed, which counts as one more death. A child
+without a policy that exits ends `watch()`.
 """
 import signal
 import subprocess
@@ -12,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from pdserve.common.errors import PdserveError
 
@@ -29,29 +35,64 @@ class StopRequested(PdserveError):
 
 
 @dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """Death n of a series (n >= 1) waits `initial_backoff_s` * 2**(n-1), at most `max_backoff_s`."""
+
+    initial_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    reset_after_s: float = 60.0  # up this long since its (re)start: its next death starts a new series
+
+    def backoff_s(self, num_deaths_in_a_row: int) -> float:
+        return min(self.initial_backoff_s * 2.0 ** (num_deaths_in_a_row - 1), self.max_backoff_s)
+
+
+@dataclass(frozen=True, slots=True)
 class ChildSpec:
     name: str
     argv: tuple[str, ...]
     is_ready: Callable[[], bool]  # a probe that answers within a second or so
     env: Mapping[str, str] | None = None  # None: inherit this process's environment
+    restart: RestartPolicy | None = None  # None: its exit ends `watch()`
+
+
+class RestartListener(Protocol):
+    """Told of every restart (serve logs them and counts them in a metric)."""
+
+    def child_died(self, name: str, exit_code: int, backoff_s: float, num_deaths_in_a_row: int) -> None: ...
+
+    def child_restarted(self, name: str, pid: int) -> None: ...
+
+    def child_ready(self, name: str) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class _Child:
+    spec: ChildSpec
+    process: subprocess.Popen[bytes]
+    started_at: float
+    is_ready: bool = False
+    num_deaths_in_a_row: int = 0
+    restart_at: float | None = None  # set while dead and waiting out its backoff
 
 
 class Supervisor:
-    """Starts children one by one and watches them until a signal or a child's exit."""
+    """Starts children group by group and watches them until a signal or a fatal exit."""
 
     def __init__(self, startup_timeout_s: float, shutdown_timeout_s: float,
-                 poll_interval_s: float = 0.1) -> None:
+                 poll_interval_s: float = 0.1, listener: RestartListener | None = None) -> None:
         self._startup_timeout_s = startup_timeout_s
         self._shutdown_timeout_s = shutdown_timeout_s
         self._poll_interval_s = poll_interval_s
-        self._children: list[tuple[ChildSpec, subprocess.Popen[bytes]]] = []
+        self._listener = listener
+        self._children: list[_Child] = []
         self._stop_signal: signal.Signals | None = None
 
     def install_signal_handlers(self) -> None:
         for sig in FORWARDED_SIGNALS:
-            signal.signal(sig, self._on_signal)
+            signal.signal(sig, self.request_stop)
 
-    def _on_signal(self, signum: int, _: FrameType | None) -> None:
+    def request_stop(self, signum: int, _: FrameType | None = None) -> None:
+        """Stop as on signal `signum`: `watch` and `start_group` raise StopRequested at their next turn."""
         self._stop_signal = signal.Signals(signum)
 
     def start(self, spec: ChildSpec) -> int:
@@ -63,31 +104,65 @@ class Supervisor:
         The group shares one startup timeout. Raises ChildFailedError naming a child that exits
         or is not ready in time, StopRequested on a stop signal; either way the children
         started stay tracked, for `stop_all()`."""
-        started = []
-        for spec in specs:
-            started.append((spec, subprocess.Popen(spec.argv, env=spec.env, start_new_session=True)))
-            self._children.append(started[-1])
+        started = [_Child(spec, _spawn(spec), time.monotonic()) for spec in specs]
+        self._children += started
         deadline = time.monotonic() + self._startup_timeout_s
-        pending = list(started)
-        while pending := [(spec, process) for spec, process in pending if not spec.is_ready()]:
+        while pending := [child for child in started if not child.spec.is_ready()]:
             self._check_stop_signal()
-            for spec, process in pending:
-                if process.poll() is not None:
-                    raise ChildFailedError(f"{spec.name} exited with code {process.returncode} while starting")
+            for child in pending:
+                if child.process.poll() is not None:
+                    raise ChildFailedError(f"{child.spec.name} exited with code {child.process.returncode} "
+                                           "while starting")
             if time.monotonic() > deadline:
-                raise ChildFailedError(f"{pending[0][0].name} was not ready within {self._startup_timeout_s:g} s")
+                raise ChildFailedError(f"{pending[0].spec.name} was not ready within {self._startup_timeout_s:g} s")
             time.sleep(self._poll_interval_s)
-        return [process.pid for _, process in started]
+        for child in started:
+            child.is_ready = True
+        return [child.process.pid for child in started]
 
     def watch(self) -> NoReturn:
-        """Block until a stop signal (raises StopRequested) or until a child exits (raises
-        ChildFailedError naming it)."""
+        """Block until a stop signal (raises StopRequested) or until a child without a restart
+        policy exits (raises ChildFailedError naming it); restart the others as they die."""
         while True:
             self._check_stop_signal()
-            for spec, process in self._children:
-                if process.poll() is not None:
-                    raise ChildFailedError(f"{spec.name} exited unexpectedly with code {process.returncode}")
+            for child in self._children:
+                self._tend(child, time.monotonic())
             time.sleep(self._poll_interval_s)
+
+    def _tend(self, child: _Child, now: float) -> None:
+        if child.restart_at is not None:
+            if now >= child.restart_at:
+                self._restart(child, now)
+            return
+        exit_code = child.process.poll()
+        if exit_code is None:
+            if not child.is_ready:
+                self._check_restarted(child, now)
+            return
+        policy = child.spec.restart
+        if policy is None:
+            raise ChildFailedError(f"{child.spec.name} exited unexpectedly with code {exit_code}")
+        if child.is_ready and now - child.started_at >= policy.reset_after_s:
+            child.num_deaths_in_a_row = 0
+        child.num_deaths_in_a_row += 1
+        backoff_s = policy.backoff_s(child.num_deaths_in_a_row)
+        child.restart_at = now + backoff_s
+        if self._listener is not None:
+            self._listener.child_died(child.spec.name, exit_code, backoff_s, child.num_deaths_in_a_row)
+
+    def _restart(self, child: _Child, now: float) -> None:
+        child.process, child.started_at, child.is_ready, child.restart_at = _spawn(child.spec), now, False, None
+        if self._listener is not None:
+            self._listener.child_restarted(child.spec.name, child.process.pid)
+
+    def _check_restarted(self, child: _Child, now: float) -> None:
+        """A restarted child becomes ready, or is killed once past the startup timeout."""
+        if child.spec.is_ready():
+            child.is_ready = True
+            if self._listener is not None:
+                self._listener.child_ready(child.spec.name)
+        elif now - child.started_at > self._startup_timeout_s:
+            child.process.kill()  # its death is seen, and backed off, on the next turn
 
     def _check_stop_signal(self) -> None:
         if self._stop_signal is not None:
@@ -97,8 +172,8 @@ class Supervisor:
         """Stop every child (see the module's contract); returns each child's exit code."""
         sig = signal.SIGINT if self._stop_signal == signal.SIGINT else signal.SIGTERM
         codes = {}
-        for spec, process in reversed(self._children):
-            codes[spec.name] = self._stop(process, sig)
+        for child in reversed(self._children):
+            codes[child.spec.name] = self._stop(child.process, sig)
         return codes
 
     def _stop(self, process: subprocess.Popen[bytes], sig: signal.Signals) -> int:
@@ -109,3 +184,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 process.kill()
         return process.wait(KILL_WAIT_S)
+
+
+def _spawn(spec: ChildSpec) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(spec.argv, env=spec.env, start_new_session=True)

@@ -1,6 +1,7 @@
 """The worker's gRPC server: listen on a port, serve one engine, drain on shutdown."""
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -9,6 +10,7 @@ from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
 from pdserve.rpc.worker_service import add_worker_service
+from pdserve.worker.drain import DrainGate
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +67,26 @@ async def serve_until_stopped(
     engine: AsyncEngine, host: str, port: int, stop: asyncio.Event, grace_s: float,
     services: Sequence[Callable[[grpc.aio.Server], None]] = (), deployment_id: DeploymentId | None = None,
 ) -> None:
-    """Serve `engine` until `stop` is set, then drain for at most `grace_s` seconds."""
-    server = WorkerServer(engine, host, port, services, deployment_id)
+    """Serve `engine` until `stop` is set, then drain for at most `grace_s` seconds: new
+    requests are refused at once (`DrainGate`) while the server still answers, so health says
+    why and the running streams finish; then the server stops, cancelling what still runs."""
+    gate = DrainGate(engine)
+    server = WorkerServer(gate, host, port, services, deployment_id)
     await server.start()
+    remaining_s = grace_s
     try:
         await stop.wait()
-    finally:
-        await server.stop(grace_s)
+        remaining_s = await drain(gate, grace_s)
+    finally:  # calls outside the gate (a prefill worker's orders) get what is left of the grace
+        await server.stop(remaining_s)
+
+
+async def drain(gate: DrainGate, grace_s: float) -> float:
+    """Close `gate` and wait for its running requests, up to `grace_s`; the seconds left."""
+    deadline = time.monotonic() + grace_s
+    gate.close(f"draining: shutting down, finishing running requests within {grace_s:g} s; "
+               "new requests go to another worker")
+    log.info("draining: %d requests running, waiting up to %g s", gate.num_running, grace_s)
+    if not await gate.wait_idle(grace_s):
+        log.warning("drain timeout: cancelling %d requests still running", gate.num_running)
+    return max(deadline - time.monotonic(), 0.0)

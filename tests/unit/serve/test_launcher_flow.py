@@ -14,6 +14,7 @@ import pytest
 from pdserve.serve.settings import resolve_serve_settings
 from pdserve.common.settings import resolve_router_settings, resolve_worker_settings
 from pdserve.serve.launcher import child_stages, ready_banner
+from pdserve.serve.supervisor import RestartPolicy
 
 DRIVER = str(Path(__file__).with_name("serve_driver.py"))
 WAIT_S = 20.0
@@ -98,7 +99,7 @@ def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> No
     settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--host", "0.0.0.0", "--port", "9000",
                                        "--prefill", "1", "--decode", "1", "--metrics-port", "9100",
                                        "--worker-port", "50051", "--deployment-id", "shop-a"], {})
-    lines = ready_banner(settings).splitlines()
+    lines = ready_banner(settings, 9200).splitlines()
     curl = shlex.split(lines[-1])
     assert lines[:-1] == [
         "pdserve is ready at http://127.0.0.1:9000 (model tiny); Ctrl-C stops it.",
@@ -107,6 +108,7 @@ def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> No
         "  prefill  127.0.0.1:50051  metrics port 9100",
         "  decode   127.0.0.1:50052  metrics port 9101",
         "  torch threads per worker: 1 (--num-threads sets it)",
+        "  worker restarts: http://127.0.0.1:9200/metrics (pdserve_worker_restarts_total)",
         "Try:",
     ]
     assert curl[:3] == ["curl", "-s", "http://127.0.0.1:9000/v1/completions"]
@@ -117,8 +119,17 @@ def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> No
 def test_banner_of_one_aggregated_worker_leaves_threads_to_torch() -> None:
     settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--aggregated", "--worker-port", "50051",
                                        "--deployment-id", "shop-a"], {})
-    assert ready_banner(settings).splitlines()[2:5] == [
+    assert ready_banner(settings, None).splitlines()[2:6] == [
         "  router   http://127.0.0.1:8000  deployment shop-a",
         "  both     127.0.0.1:50051",
         "  torch threads per worker: torch's default (--num-threads sets it)",
+        "Try:",  # no restart metrics line: --serve-metrics-port ''
     ]
+
+
+def test_workers_restart_with_the_serve_backoff_and_the_router_does_not() -> None:
+    settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--restart-backoff", "2",
+                                       "--max-restart-backoff", "16"], {})
+    workers, (router,) = child_stages(settings)
+    assert [spec.restart for spec in workers] == [RestartPolicy(2.0, 16.0)] * 2
+    assert router.restart is None

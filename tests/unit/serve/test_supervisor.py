@@ -1,11 +1,13 @@
-"""Process supervision with stand-in children: readiness, failures, ordered and forced stops."""
+"""Process supervision with stand-in children: readiness, failures, ordered and forced stops,
+restarts with backoff."""
+import os
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from pdserve.serve.supervisor import ChildFailedError, ChildSpec, Supervisor
+from pdserve.serve.supervisor import ChildFailedError, ChildSpec, RestartPolicy, StopRequested, Supervisor
 
 STAND_IN = str(Path(__file__).with_name("stand_in_child.py"))
 
@@ -94,3 +96,68 @@ def test_a_ready_group_returns_every_pid_in_order(tmp_path: Path) -> None:
     finally:
         supervisor.stop_all()
     assert pids == [int((tmp_path / f"w{i}.ready").read_text()) for i in range(3)]
+
+
+class Recorder:
+    """A RestartListener that keeps every event and stops the supervisor at the `num_stop_at`th `stop_at`."""
+
+    def __init__(self, stop_at: str, num_stop_at: int) -> None:
+        self.events: list[tuple[object, ...]] = []
+        self.supervisor: Supervisor | None = None  # set once built with this listener
+        self._stop_at = stop_at
+        self._num_stop_at = num_stop_at
+
+    def _record(self, *event: object) -> None:
+        self.events.append(event)
+        if self.supervisor and sum(e[0] == self._stop_at for e in self.events) == self._num_stop_at:
+            self.supervisor.request_stop(signal.SIGTERM)
+
+    def child_died(self, name: str, exit_code: int, backoff_s: float, num_deaths_in_a_row: int) -> None:
+        self._record("died", name, exit_code, backoff_s, num_deaths_in_a_row)
+
+    def child_restarted(self, name: str, pid: int) -> None:
+        self._record("restarted", name)
+
+    def child_ready(self, name: str) -> None:
+        self._record("ready", name)
+
+
+def supervise(tmp_path: Path, mode: str, policy: RestartPolicy, stop_at: str, num_stop_at: int,
+              kill: bool = False) -> tuple[Recorder, dict[str, int]]:
+    """Watch one restartable stand-in (killed at once with `kill`) until the `num_stop_at`th `stop_at`."""
+    recorder = Recorder(stop_at, num_stop_at)
+    supervisor = Supervisor(30.0, 10.0, poll_interval_s=0.02, listener=recorder)
+    recorder.supervisor = supervisor
+    spec = stand_in(tmp_path, "decode", mode)
+    try:
+        pid = supervisor.start(ChildSpec(spec.name, spec.argv, spec.is_ready, restart=policy))
+        if kill:
+            os.kill(pid, signal.SIGKILL)
+            (tmp_path / "decode.ready").unlink()  # ready again only once the new process says so
+        with pytest.raises(StopRequested):
+            supervisor.watch()
+    finally:
+        codes = supervisor.stop_all()
+    return recorder, codes
+
+
+def test_a_child_dying_again_and_again_is_restarted_with_a_doubling_backoff_up_to_the_cap(tmp_path: Path) -> None:
+    recorder, codes = supervise(tmp_path, "die-later", RestartPolicy(0.01, 0.04, reset_after_s=60), "restarted", 4)
+    deaths = [event for event in recorder.events if event[0] == "died"]
+    assert deaths == [("died", "decode", 4, 0.01, 1), ("died", "decode", 4, 0.02, 2),
+                      ("died", "decode", 4, 0.04, 3), ("died", "decode", 4, 0.04, 4)]
+    assert [event[0] for event in recorder.events].count("restarted") == 4
+    assert list(codes) == ["decode"]
+
+
+def test_a_child_that_stayed_up_long_enough_starts_a_new_backoff_series(tmp_path: Path) -> None:
+    recorder, _ = supervise(tmp_path, "die-later", RestartPolicy(0.01, 0.04, reset_after_s=0.2), "restarted", 3)
+    deaths = [event for event in recorder.events if event[0] == "died"]
+    assert deaths == [("died", "decode", 4, 0.01, 1)] * 3  # each lived 0.3 s: past reset_after_s
+
+
+def test_a_child_killed_9_is_restarted_with_its_command_line_and_is_ready_again(tmp_path: Path) -> None:
+    recorder, codes = supervise(tmp_path, "serve", RestartPolicy(0.01, 0.04), "ready", 1, kill=True)
+    assert recorder.events == [("died", "decode", -signal.SIGKILL, 0.01, 1), ("restarted", "decode"),
+                               ("ready", "decode")]
+    assert codes == {"decode": 0}  # the restarted child, stopped with the others

@@ -8,8 +8,9 @@ watches them all. A worker that exits is restarted on the same port with the sam
 same deployment id) after a backoff (`--restart-backoff`, doubled per death in a row up to
 `--max-restart-backoff`); the router takes it back once its health check passes. Each restart
 is a line on stderr and counts in `pdserve_worker_restarts_total` on serve's own `/metrics`.
-Ctrl-C or SIGTERM stops every process (router first; each worker drains); a router that dies
-stops the others and makes `serve` exit 1 with one line. Each child is tethered to this process
+Ctrl-C or SIGTERM stops every process: the workers drain together (the router still relays
+their streams and answers new requests 503), then the router; a router that dies stops the
+others and makes `serve` exit 1 with one line. Each child is tethered to this process
 (`tether.py`): killed with SIGKILL, serve takes its children with it.
 """
 import json
@@ -67,11 +68,12 @@ def worker_spec(command: tuple[str, ...], worker: WorkerSettings, restart: Resta
 
 def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
     """The workers (started together), then the router: each run as `<child_command> <kind>
-    <flags>` with every setting as a flag, so the child resolves what this process did."""
+    <flags>` with every setting as a flag, so the child resolves what this process did; the
+    router's API keys go in its environment, never on a command line anyone on the host can read."""
     url = base_url(settings)
     command = child_command(settings)
     router = ChildSpec("router", (*command, "router", *to_argv(settings.router)),
-                       lambda: is_http_healthy(url), child_environ())
+                       lambda: is_http_healthy(url), child_environ(settings.router))
     workers = [worker_spec(command, worker, settings.restart_policy) for worker in settings.workers]
     return [workers, [router]]
 

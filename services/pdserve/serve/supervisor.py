@@ -1,10 +1,12 @@
 """Child processes started in order (a group at a time), each waited on until ready, watched,
 restarted with backoff where their spec says so, and all stopped on the way out.
 
-Contract: once `stop_all()` returns, no child is alive. Each child is first sent the stop
-signal, then given `shutdown_timeout_s`, then killed; children stop in reverse start order
-(the router before the workers it calls). Children run in their own sessions, so a terminal's
-Ctrl-C reaches only the supervisor, which forwards it in that order.
+Contract: once `stop_all()` returns, no child is alive. Children stop group by group, in start
+order: every child of a group is sent the stop signal at once, the group is given
+`shutdown_timeout_s`, then what is left of it is killed. So the workers (the first group) drain
+while the router (the next) still relays their streams and refuses new requests saying why, and
+the router stops once nothing is left to relay. Children run in their own sessions, so a
+terminal's Ctrl-C reaches only the supervisor, which forwards it in that order.
 
 Restarts: a child with a `RestartPolicy` that exits while watched (killed, crashed, or drained
 after its own SIGTERM) is started again with the same command line after a backoff that doubles
@@ -84,7 +86,7 @@ class Supervisor:
         self._shutdown_timeout_s = shutdown_timeout_s
         self._poll_interval_s = poll_interval_s
         self._listener = listener
-        self._children: list[_Child] = []
+        self._groups: list[list[_Child]] = []
         self._stop_signal: signal.Signals | None = None
 
     def install_signal_handlers(self) -> None:
@@ -105,7 +107,7 @@ class Supervisor:
         or is not ready in time, StopRequested on a stop signal; either way the children
         started stay tracked, for `stop_all()`."""
         started = [_Child(spec, _spawn(spec), time.monotonic()) for spec in specs]
-        self._children += started
+        self._groups.append(started)
         deadline = time.monotonic() + self._startup_timeout_s
         while pending := [child for child in started if not child.spec.is_ready()]:
             self._check_stop_signal()
@@ -125,7 +127,7 @@ class Supervisor:
         policy exits (raises ChildFailedError naming it); restart the others as they die."""
         while True:
             self._check_stop_signal()
-            for child in self._children:
+            for child in [child for group in self._groups for child in group]:
                 self._tend(child, time.monotonic())
             time.sleep(self._poll_interval_s)
 
@@ -169,21 +171,25 @@ class Supervisor:
             raise StopRequested(f"received {self._stop_signal.name}")
 
     def stop_all(self) -> dict[str, int]:
-        """Stop every child (see the module's contract); returns each child's exit code."""
+        """Stop every child (see the module's contract); returns each child's exit code, in stop order."""
         sig = signal.SIGINT if self._stop_signal == signal.SIGINT else signal.SIGTERM
         codes = {}
-        for child in reversed(self._children):
-            codes[child.spec.name] = self._stop(child.process, sig)
+        for group in self._groups:
+            for child in group:
+                if child.process.poll() is None:
+                    child.process.send_signal(sig)
+            deadline = time.monotonic() + self._shutdown_timeout_s
+            for child in group:
+                codes[child.spec.name] = _wait_or_kill(child.process, deadline)
         return codes
 
-    def _stop(self, process: subprocess.Popen[bytes], sig: signal.Signals) -> int:
-        if process.poll() is None:
-            process.send_signal(sig)
-            try:
-                return process.wait(self._shutdown_timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        return process.wait(KILL_WAIT_S)
+
+def _wait_or_kill(process: subprocess.Popen[bytes], deadline: float) -> int:
+    try:
+        return process.wait(max(deadline - time.monotonic(), 0.0))
+    except subprocess.TimeoutExpired:
+        process.kill()
+    return process.wait(KILL_WAIT_S)
 
 
 def _spawn(spec: ChildSpec) -> subprocess.Popen[bytes]:

@@ -21,7 +21,7 @@ def make_supervisor(startup_timeout_s: float = 30.0, shutdown_timeout_s: float =
     return Supervisor(startup_timeout_s, shutdown_timeout_s, poll_interval_s=0.02)
 
 
-def test_children_start_in_order_and_stop_in_reverse(tmp_path: Path) -> None:
+def test_groups_start_in_order_and_stop_in_the_same_order(tmp_path: Path) -> None:
     supervisor = make_supervisor()
     try:
         worker_pid = supervisor.start(stand_in(tmp_path, "worker", "serve"))
@@ -30,7 +30,8 @@ def test_children_start_in_order_and_stop_in_reverse(tmp_path: Path) -> None:
         codes = supervisor.stop_all()
     assert (tmp_path / "worker.ready").read_text() == str(worker_pid)
     assert (tmp_path / "router.ready").read_text() == str(router_pid)
-    assert list(codes.items()) == [("router", 0), ("worker", 0)]
+    assert list(codes.items()) == [("worker", 0), ("router", 0)]  # workers drain while the router relays
+    assert (tmp_path / "stop-order").read_text().split() == ["worker", "router"]
 
 
 def test_child_dying_at_start_is_one_line(tmp_path: Path) -> None:
@@ -75,7 +76,7 @@ def test_a_group_starts_together_and_a_child_dying_in_it_is_named(tmp_path: Path
         supervisor.start_group(group)
     assert str(caught.value) == "decode exited with code 3 while starting"
     codes = supervisor.stop_all()
-    assert list(codes) == ["decode", "prefill"] and codes["decode"] == 3
+    assert list(codes) == ["prefill", "decode"] and codes["decode"] == 3
     assert codes["prefill"] in (0, -signal.SIGTERM)  # stopped before or after its handler was set
 
 

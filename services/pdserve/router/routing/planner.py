@@ -79,7 +79,8 @@ class Planner:
         """Raises WorkerUnavailableError when no decode-capable worker outside `exclude` is up."""
         decoders = self._pool.up(DECODE_ROLES, exclude)
         if not decoders:
-            raise WorkerUnavailableError("decode", "no decode or aggregated worker is up")
+            why = self._pool.why_out()
+            raise WorkerUnavailableError("decode", "no decode or aggregated worker is up" + (f" ({why})" if why else ""))
         prefillers = self._pool.up({WorkerRole.PREFILL}, exclude)
         blocks = num_prompt_blocks(num_prompt_tokens, self._tpb)
         overlaps = self._index.overlaps(block_hashes, [h.address for h in decoders + prefillers])

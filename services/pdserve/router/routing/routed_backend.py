@@ -151,9 +151,7 @@ class RoutedBackend:
         """The sum over workers in rotation; WorkerUnavailableError, naming why each worker is out,
         if no decode worker is."""
         if not self._pool.up(DECODE_ROLES):
-            why = "; ".join(f"{h.address}: {h.down_reason or h.refusal or 'never answered'}"
-                            for h in self._pool.handles.values() if not h.is_up)
-            raise WorkerUnavailableError("decode", f"no decode or aggregated worker is up ({why})")
+            raise WorkerUnavailableError("decode", f"no decode or aggregated worker is up ({self._pool.why_out()})")
         reports = [h.stats for h in self._pool.handles.values() if h.is_up and h.stats is not None]
         return EngineStats(**{f.name: sum(getattr(s, f.name) for s in reports) for f in fields(EngineStats)})
 

@@ -139,6 +139,11 @@ class WorkerPool:
         """Whether any worker registered as a prefill worker (up or not)."""
         return any(h.role == WorkerRole.PREFILL for h in self.handles.values())
 
+    def why_out(self) -> str:
+        """Why each worker out of rotation is out, e.g. "127.0.0.1:50052: ... draining: ...", for an error."""
+        return "; ".join(f"{h.address}: {h.down_reason or h.refusal or 'never answered'}"
+                         for h in self.handles.values() if not h.is_up)
+
     def load(self, handle: WorkerHandle) -> WorkerLoad:
         return handle.book.load()
 

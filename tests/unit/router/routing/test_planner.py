@@ -79,6 +79,15 @@ def test_excluded_workers_are_skipped_and_none_left_is_unavailable() -> None:
         planner.plan(KEYS, len(PROMPT), exclude={WorkerId("a:1"), WorkerId("b:2")})
 
 
+def test_no_decode_worker_up_is_unavailable_naming_why_each_is_out() -> None:
+    planner, _, pool = cluster({"p1:1": WorkerRole.PREFILL, "d1:3": WorkerRole.DECODE})
+    pool.mark_down(WorkerId("d1:3"), "worker d1:3 unavailable: draining: shutting down")
+    with pytest.raises(WorkerUnavailableError) as caught:
+        planner.plan(KEYS, len(PROMPT))
+    assert str(caught.value) == ("worker decode unavailable: no decode or aggregated worker is up "
+                                 "(d1:3: worker d1:3 unavailable: draining: shutting down)")
+
+
 def test_a_session_keeps_its_workers_while_they_are_up() -> None:
     planner, index, pool = cluster({"a:1": WorkerRole.BOTH, "b:2": WorkerRole.BOTH}, policy="round_robin")
     first = planner.plan(KEYS, len(PROMPT), session_id="s1").decode.worker

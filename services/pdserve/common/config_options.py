@@ -87,6 +87,23 @@ def parse_addresses(raw: object) -> tuple[str, ...]:
     return addresses
 
 
+def parse_api_keys(raw: object) -> tuple[str, ...]:
+    """API keys: one comma-separated string, or a list of them (a repeated flag). A key is
+    printable ASCII without spaces or commas. No error message quotes a key."""
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be one or more comma-separated keys")
+    keys = tuple(part.strip() for item in items for part in str(item).split(","))
+    for number, key in enumerate(keys, 1):
+        if not is_api_key_ok(key):
+            raise ValueError(f"key {number} of {len(keys)} is not printable ASCII without spaces or commas")
+    return keys
+
+
+def is_api_key_ok(key: str) -> bool:
+    return bool(key) and key.isascii() and key.isprintable() and not any(c in key for c in " ,")
+
+
 def choice(*values: str, aliases: Mapping[str, str] | None = None) -> Parser:
     """A parser that accepts one of `values` (or an alias of one), case-insensitively."""
     aliases = aliases or {}
@@ -147,6 +164,7 @@ class Option:
     targets: tuple[Target, ...]  # serve's --model sets the router's and the worker's
     parse: Parser
     help: str
+    is_secret: bool = False  # never on a command line or in an error message
 
     @property
     def env_var(self) -> str:
@@ -159,7 +177,7 @@ class Option:
     @property
     def is_list(self) -> bool:
         """A list flag may be repeated (`--worker a:1 --worker b:2`) or take a comma list."""
-        return self.parse is parse_addresses
+        return self.parse in (parse_addresses, parse_api_keys)
 
 
 def options_of(cls: type, section: str, rename: Mapping[str, str] | None = None,
@@ -173,7 +191,8 @@ def options_of(cls: type, section: str, rename: Mapping[str, str] | None = None,
         flag = (rename or {}).get(f.name) or f.metadata["flag"] or f.name.replace("_", "-")
         shown = f.default not in (dataclasses.MISSING, None)
         help_ = f.metadata["help"] + (f" (default: {f.default})" if shown else "")
-        options.append(Option(flag, ((section, f.name),), f.metadata["parse"], help_))
+        options.append(Option(flag, ((section, f.name),), f.metadata["parse"], help_,
+                              f.metadata.get("secret", False)))
     return options
 
 

@@ -21,6 +21,7 @@ from pdserve.common.model_source import default_model_path
 from pdserve.common.stats import WorkerRole
 
 ENV_PREFIX = cv.ENV_PREFIX
+REDACTED = "<redacted>"
 CONFIG_ENV = "PDSERVE_CONFIG"
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -37,10 +38,12 @@ def default_cache_dir() -> str:
 
 
 def opt(default: object = dataclasses.MISSING, *, help: str, parse: cv.Parser, flag: str | None = None,
-        factory: object = dataclasses.MISSING) -> Any:
-    """A settings field: its default, help text, parser and (when not its name) flag."""
-    meta = {"help": help, "parse": parse, "flag": flag}
-    return field(default=default, default_factory=factory, metadata=meta)  # type: ignore[call-overload]
+        factory: object = dataclasses.MISSING, secret: bool = False) -> Any:
+    """A settings field: its default, help text, parser and (when not its name) flag. A secret
+    reaches a child process in its environment, never on its command line (`child_environ`)."""
+    meta = {"help": help, "parse": parse, "flag": flag, "secret": secret}
+    return field(default=default, default_factory=factory, metadata=meta,  # type: ignore[call-overload]
+                 repr=not secret)
 
 
 def check(is_ok: bool, name: str, value: object, reason: str) -> None:
@@ -175,6 +178,15 @@ class RouterSettings:
     deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                     help="admit only workers started with this --deployment-id (pdserve serve: a "
                                          "fresh id per launch); unset: admit any worker and log the id it reports")
+    # ---- API keys and tenants (see router/openai/access/) ----
+    api_key: tuple[str, ...] = opt((), parse=cv.parse_api_keys, secret=True,
+                                   help="API key(s) every /v1 request must send as 'Authorization: Bearer <key>', "
+                                        "comma-separated; all of tenant 'default' (prefer PDSERVE_API_KEY: a flag "
+                                        "shows in the process list)")
+    api_keys_file: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                                    help="file of '<key> <tenant>' lines; each tenant has a KV cache of its own")
+    protect_metrics: bool = opt(False, parse=cv.parse_bool,
+                                help="/metrics too requires an API key (/health* stays open)")
     # ---- routing across workers (see router/cost.py and router/policy.py) ----
     routing_policy: str = opt("kv_aware", parse=cv.choice(*ROUTING_POLICIES),
                               help=" | ".join(ROUTING_POLICIES) + "; the others exist for comparison")
@@ -207,6 +219,12 @@ class RouterSettings:
         check(self.prefill_load_scale >= 0, "prefill_load_scale", self.prefill_load_scale, "must be >= 0")
         for name in ("host_cache_hit_weight", "disk_cache_hit_weight"):
             check(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
+        check(not self.protect_metrics or self.has_api_keys, "protect_metrics", self.protect_metrics,
+              "needs --api-key or --api-keys-file")
+
+    @property
+    def has_api_keys(self) -> bool:
+        return bool(self.api_key) or self.api_keys_file is not None
 
 
 # ---- resolution: flag > environment > config file > default ---------------------------------
@@ -237,7 +255,7 @@ def resolve_sources(prog: str, options: list[cv.Option], argv: Sequence[str] | N
         try:
             value = o.parse(raw)
         except ValueError as exc:
-            raise ConfigError(label, raw, str(exc)) from None
+            raise ConfigError(label, REDACTED if o.is_secret else raw, str(exc)) from None
         values.update((t, value) for t in o.targets)
         labels.update((t, label) for t in o.targets)
     return values, labels
@@ -276,10 +294,13 @@ def resolve_router_settings(argv: Sequence[str] | None = None,
 
 
 def to_argv(settings: WorkerSettings | RouterSettings) -> list[str]:
-    """Flags that resolve back to `settings` (a field left None is passed as '', which unsets it)."""
+    """Flags that resolve back to `settings`, with `child_environ(settings)` for its secrets
+    (a field left None is passed as '', which unsets it)."""
     argv = []
     for o in cv.options_of(type(settings), ""):
         value = getattr(settings, o.targets[0][1])
+        if o.is_secret:
+            continue
         if value is None:
             argv += [f"--{o.flag}", ""]
         elif o.is_list:
@@ -291,10 +312,16 @@ def to_argv(settings: WorkerSettings | RouterSettings) -> list[str]:
     return argv
 
 
-def child_environ() -> dict[str, str]:
+def child_environ(settings: WorkerSettings | RouterSettings | None = None) -> dict[str, str]:
     """This process's environment without its PDSERVE_ variables, for a child that gets
-    every setting as a flag (a serve config file's keys would be unknown to a worker)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    every setting as a flag (a serve config file's keys would be unknown to a worker), plus
+    `settings`' secrets, which `to_argv` leaves out (a command line is world-readable)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    for o in cv.options_of(type(settings), "") if settings is not None else ():
+        value = getattr(settings, o.targets[0][1])
+        if o.is_secret and value:
+            env[o.env_var] = ",".join(value)
+    return env
 
 
 # The OpenMP runtime and torch's allocator read these once, when torch loads, so a worker

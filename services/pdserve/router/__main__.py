@@ -1,7 +1,8 @@
 """`pdserve router`: wire settings, tokenizer, the workers (pool, prefix index, KV event
 subscribers, routing) and the HTTP app together.
 
-Exit status: 0 after a clean stop (SIGINT/SIGTERM), 2 for a bad setting, a `--port` in use, or workers that
+Exit status: 0 after a clean stop (SIGINT/SIGTERM), 2 for a bad setting (an unusable
+`--api-keys-file` included), a `--port` in use, or workers that
 disagree (model, block size, block-key algorithm), 1 when no decode-capable worker can be
 reached within `--worker-wait-timeout` (a worker of another `--deployment-id` is never admitted).
 """
@@ -20,6 +21,7 @@ from pdserve.common.ports import check_port_free
 from pdserve.common.settings import RouterSettings, resolve_router_settings
 from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 from pdserve.router.openai.app import create_app
+from pdserve.router.openai.access.keys import ApiKeys, load_api_keys
 from pdserve.router.routing.cluster import Cluster, ClusterConfig
 from pdserve.router.routing.cost import CostWeights
 from pdserve.router.routing.planner import Planner, RoutingConfig
@@ -34,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = resolve_router_settings(argv)
         check_port_free("--port", settings.host, settings.port)  # now, not after waiting for the workers
+        api_keys = load_api_keys(settings.api_key, settings.api_keys_file) if settings.has_api_keys else None
         tokenizer = load_tokenizer(settings.model, settings.cache_dir)
     except ConfigError as err:
         print(f"pdserve router: {err}", file=sys.stderr)
@@ -41,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        asyncio.run(_serve(settings, tokenizer))
+        asyncio.run(_serve(settings, tokenizer, api_keys))
     except ConfigError as err:  # workers that cannot serve together
         print(f"pdserve router: {err}", file=sys.stderr)
         return 2
@@ -58,7 +61,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-async def _serve(settings: RouterSettings, tokenizer: Tokenizer) -> None:
+async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKeys | None) -> None:
     """Serve HTTP until a signal stops uvicorn; the app's shutdown closes the cluster."""
     cluster = Cluster(cluster_config(settings))
     try:
@@ -70,13 +73,23 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer) -> None:
     backend = RoutedBackend(cluster, planner, info, settings.session_header)
     limits = ApiLimits(first_output_timeout_s=settings.first_output_timeout_s, output_timeout_s=settings.output_timeout_s,
                        max_pending_requests=settings.max_pending_requests)
-    app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend)
+    app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend,
+                     api_keys=api_keys, protect_metrics=settings.protect_metrics)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     _log.info("serving %s from %d worker(s), %s routing, on http://%s:%d",
               settings.served_model_name or info.model_name, len(settings.workers), settings.routing_policy,
               settings.host, settings.port)
+    _log.info("%s", _describe_access(api_keys, settings.protect_metrics))
     await uvicorn.Server(config).serve()
+
+
+def _describe_access(api_keys: ApiKeys | None, protect_metrics: bool) -> str:
+    """How the API is protected, naming how many keys and tenants, never a key."""
+    if api_keys is None:
+        return "no API keys: /v1 is open to anyone who reaches this port"
+    metrics = "/metrics needs a key too" if protect_metrics else "/health* and /metrics open"
+    return f"/v1 needs one of {api_keys.num_keys} API key(s) of {len(api_keys.tenants)} tenant(s); {metrics}"
 
 
 def cluster_config(settings: RouterSettings) -> ClusterConfig:

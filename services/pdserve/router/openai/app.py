@@ -3,7 +3,9 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /metrics`, and
 health: `GET /health/live` (liveness: 200 while the router answers HTTP), `GET /health/ready`
 (readiness: 200 while a decode-capable worker is in rotation, else 503 naming why) and `GET /health`
-(as readiness, vLLM's name). At most `limits.max_pending_requests` generation requests are in
+(as readiness, vLLM's name). With API keys, every `/v1/` route (and `/metrics` when
+`protect_metrics`) answers 401 to a request without a valid key, and a request's tenant salts
+its KV cache (`access/`). At most `limits.max_pending_requests` generation requests are in
 progress at once; one more gets 503 with `Retry-After` at once (`admission.py`). Every response carries `X-Request-Id` (the client's, else the response id);
 every error is OpenAI's envelope (see `errors.py`). Behind a routing backend, a generation
 response also carries `X-Pdserve-Route` (each prompt's decision, comma-separated, in prompt
@@ -26,6 +28,8 @@ from pdserve.common.ids import RequestId
 from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.router.backend import GenerateBackend, Routing
 from pdserve.router.openai.admission import PendingLimit
+from pdserve.router.openai.access.guard import RequireApiKey, tenant_of
+from pdserve.router.openai.access.keys import ApiKeys
 from pdserve.router.openai.chat import create_chat_completion
 from pdserve.router.openai.completions import create_completion
 from pdserve.router.openai.errors import ApiError, from_exception, install_error_handlers
@@ -52,9 +56,12 @@ def create_app(
     model_name: str | None = None,
     limits: ApiLimits = ApiLimits(),
     routing: Routing | None = None,
+    api_keys: ApiKeys | None = None,
+    protect_metrics: bool = False,
 ) -> FastAPI:
     """An app serving `info`'s model (under `model_name` if given); it closes `backend` on shutdown.
-    `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself)."""
+    `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself).
+    `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too."""
     ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics(),
                          LogprobFormatter(tokenizer))
     if routing is not None:
@@ -71,6 +78,8 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(PendingLimit, max_pending=limits.max_pending_requests, paths=_GENERATION_ROUTES,
                        in_progress=ctx.metrics.in_progress)
+    if api_keys is not None:  # outside the pending limit: a refused caller never takes a slot
+        app.add_middleware(RequireApiKey, keys=api_keys, also={"/metrics"} if protect_metrics else ())
     app.add_middleware(_CountRequests, metrics=ctx.metrics)  # the outer one: refusals are counted too
     _add_generation_routes(app, ctx, routing)
     _add_status_routes(app, ctx)
@@ -121,7 +130,8 @@ async def _answer(request: Request, ctx: ServingContext, routing: Routing | None
             request_id = response_id
             raise ApiError(400, f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} printable characters",
                            "X-Request-Id")
-        response = await handler(request, _for_session(request, ctx, routing), response_id)
+        caller_ctx = dataclasses.replace(_for_session(request, ctx, routing), tenant=tenant_of(request.scope))
+        response = await handler(request, caller_ctx, response_id)
     except ClientGone:
         response = Response(status_code=_STATUS_CLIENT_CLOSED)
     except Exception as exc:  # every failure answers with the envelope, never a bare 500

@@ -20,6 +20,7 @@ RETRY_AFTER_S = 1
 
 _ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",

@@ -19,6 +19,7 @@ from pdserve.router.openai.protocol import SamplingBody
 from pdserve.router.openai.responses import PromptTokensDetails, Usage
 from pdserve.router.openai.runner import StreamTimeouts, run_streams
 from pdserve.router.openai.sampling import priority_ranges, resolve_max_tokens, sampling_params
+from pdserve.router.openai.access.tenants import Tenant, effective_cache_salt
 
 Event = tuple[int, RequestOutput]  # (prompt index, output)
 T = TypeVar("T")
@@ -46,6 +47,7 @@ class ServingContext:
     limits: ApiLimits
     metrics: RouterMetrics
     logprobs: LogprobFormatter  # shared, so its token-text cache serves every request
+    tenant: Tenant | None = None  # the caller's, once authenticated (None: no API keys configured)
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -92,7 +94,7 @@ def generation_requests(
             request_id=RequestId(f"{response_id}-{i}"),
             prompt_token_ids=prompt.token_ids,
             sampling=sampling_params(body, limit, logprobs, ctx.info.vocab_size),
-            cache_salt=body.cache_salt,
+            cache_salt=effective_cache_salt(ctx.tenant, body.cache_salt),
             priorities=priority_ranges(body, num_tokens),
         ))
     return requests

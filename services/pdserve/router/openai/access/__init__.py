@@ -1,0 +1,1 @@
+"""Who may call the API (keys, `guard`) and which KV cache each caller sees (`tenants`)."""

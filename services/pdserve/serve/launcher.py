@@ -68,11 +68,12 @@ def worker_spec(command: tuple[str, ...], worker: WorkerSettings, restart: Resta
 
 def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
     """The workers (started together), then the router: each run as `<child_command> <kind>
-    <flags>` with every setting as a flag, so the child resolves what this process did."""
+    <flags>` with every setting as a flag, so the child resolves what this process did; the
+    router's API keys go in its environment, never on a command line anyone on the host can read."""
     url = base_url(settings)
     command = child_command(settings)
     router = ChildSpec("router", (*command, "router", *to_argv(settings.router)),
-                       lambda: is_http_healthy(url), child_environ())
+                       lambda: is_http_healthy(url), child_environ(settings.router))
     workers = [worker_spec(command, worker, settings.restart_policy) for worker in settings.workers]
     return [workers, [router]]
 

@@ -189,7 +189,7 @@ def options_of(cls: type, section: str, rename: Mapping[str, str] | None = None,
         if f.name in skip or "parse" not in f.metadata:
             continue
         flag = (rename or {}).get(f.name) or f.metadata["flag"] or f.name.replace("_", "-")
-        shown = f.default not in (dataclasses.MISSING, None)
+        shown = f.default not in (dataclasses.MISSING, None, ())
         help_ = f.metadata["help"] + (f" (default: {f.default})" if shown else "")
         options.append(Option(flag, ((section, f.name),), f.metadata["parse"], help_,
                               f.metadata.get("secret", False)))

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from pdserve.common.settings import default_cache_dir
-from tests.compose.demo import Demo, write_override
+from tests.compose.demo import Demo, remove_stale_demos, write_override
 from tests.compose.docker_host import DockerHost, DockerUnavailable, open_docker_host
 from tests.compose.images import base_image, pdserve_image, prometheus_image, try_pull, wheels
 from tests.integration.stack import free_port, start, stop, wait_for_http
@@ -54,6 +54,8 @@ def demo_images(docker_host: DockerHost) -> dict[str, str]:
 def demo(docker_host: DockerHost, demo_images: dict[str, str]):
     with tempfile.TemporaryDirectory() as directory:
         services = DEMO_SERVICES + (("grafana",) if "grafana" in demo_images else ())
+        if docker_host.daemon is not None:
+            remove_stale_demos(docker_host)
         demo = Demo(docker_host, write_override(Path(directory), demo_images), services)
         demo.volumes_before = set(docker_host.docker("volume", "ls", "-q").stdout.decode().split())
         try:

@@ -14,6 +14,7 @@ from tests.integration.stack import free_port
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 PDSERVE_SERVICES = ("router", "prefill", "decode")
+PROJECT_PREFIX = "pdservetest"
 READY_TIMEOUT_S = 300.0
 METRICS_SNIPPET = ("import urllib.request; "
                    "print(urllib.request.urlopen('http://127.0.0.1:9100/metrics', timeout=10).read().decode())")
@@ -24,7 +25,7 @@ class Demo:
     host: DockerHost
     override: Path
     services: tuple[str, ...]
-    project: str = field(default_factory=lambda: f"pdservetest{uuid.uuid4().hex[:8]}")
+    project: str = field(default_factory=lambda: f"{PROJECT_PREFIX}{uuid.uuid4().hex[:8]}")
     ports: dict[str, int] = field(default_factory=lambda: {name: free_port() for name in
                                                            ("PDSERVE_PORT", "PROMETHEUS_PORT", "GRAFANA_PORT")})
     is_up: bool = False
@@ -73,6 +74,17 @@ class Demo:
         body = httpx.get(f"{self.prometheus_url}/api/v1/query", params={"query": query}, timeout=10).json()
         assert body["status"] == "success", f"Prometheus refused {query!r}: {body}"
         return body["data"]["result"]
+
+
+def remove_stale_demos(host: DockerHost) -> None:
+    """Containers and networks of earlier runs that were killed before their `down` (the test's
+    own daemon only: on a shared one another run may still be using them)."""
+    for listing, removal in ((["ps", "-a"], ["rm", "-f"]), (["network", "ls"], ["network", "rm"])):
+        rows = host.docker(*listing, "--filter", "label=com.docker.compose.project",
+                           "--format", '{{.ID}} {{.Label "com.docker.compose.project"}}').stdout.decode().splitlines()
+        stale = [row.split()[0] for row in rows if len(row.split()) == 2 and row.split()[1].startswith(PROJECT_PREFIX)]
+        if stale:
+            host.docker(*removal, *stale, check=False)
 
 
 def write_override(directory: Path, images: dict[str, str]) -> Path:

@@ -26,6 +26,9 @@ from pdserve.common.errors import (
 PARAM_KEY = "pdserve-param"  # trailing metadata: the request field an INVALID_ARGUMENT names
 KIND_KEY = "pdserve-error"  # trailing metadata: which of the errors sharing a code this is
 UNKNOWN_PEER = "unknown-peer"
+# Details travel in a trailer, which grpc refuses past 16 KiB: an error naming a huge request id
+# would reach the client as RESOURCE_EXHAUSTED (a retryable overload) instead of itself.
+MAX_DETAILS_CHARS = 1024
 
 _CODES: tuple[tuple[type[PdserveError], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -45,13 +48,16 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 def status_of(exc: PdserveError) -> tuple[grpc.StatusCode, str, Metadata]:
-    """The code, details and trailing metadata a worker answers `exc` with."""
+    """The code, details (at most `MAX_DETAILS_CHARS`) and trailing metadata a worker answers `exc` with."""
     code = next((c for kind, c in _CODES if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+    details = str(exc)
+    if len(details) > MAX_DETAILS_CHARS:
+        details = details[: MAX_DETAILS_CHARS - 3] + "..."
     if isinstance(exc, InvalidRequestError) and exc.param is not None:
-        return code, str(exc), ((PARAM_KEY, exc.param),)
+        return code, details, ((PARAM_KEY, exc.param[:MAX_DETAILS_CHARS]),)
     if isinstance(exc, UnknownPeerError):
-        return code, str(exc), ((KIND_KEY, UNKNOWN_PEER),)
-    return code, str(exc), ()
+        return code, details, ((KIND_KEY, UNKNOWN_PEER),)
+    return code, details, ()
 
 
 def error_from_status(

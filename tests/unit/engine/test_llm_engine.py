@@ -115,6 +115,8 @@ def test_abort_frees_blocks_and_reports_abort():
     (request("x", [500]), "prompt"),
     (request("x", [1] * 100, max_tokens=40), "max_tokens"),
     (request("x", [1], n=99), "n"),
+    (request("x", [1], top_p=float("nan")), "top_p"),  # refused alone at admission, never in a step's batch
+    (request("x", [1], logprobs=2**32 - 1), "logprobs"),
 ])
 def test_bad_requests_are_rejected_without_state_change(bad, param):
     engine = make_engine()

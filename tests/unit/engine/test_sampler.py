@@ -139,6 +139,7 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     (SamplingParams(top_p=1.5), "top_p"),
     (SamplingParams(top_k=-1), "top_k"),
     (SamplingParams(logprobs=-2), "logprobs"),
+    (SamplingParams(logprobs=21), "logprobs"),  # each output would grow by up to the vocabulary
 ])
 def test_nonsense_params_raise_before_any_draw(params, param):
     generator = make_generator(1)

@@ -16,7 +16,7 @@ from pdserve.common.errors import (
     WorkerTimeoutError,
     WorkerUnavailableError,
 )
-from pdserve.rpc.status import PARAM_KEY, error_from_status, status_of
+from pdserve.rpc.status import MAX_DETAILS_CHARS, PARAM_KEY, error_from_status, status_of
 
 ADDRESS = "10.0.0.1:50051"
 
@@ -59,3 +59,9 @@ def test_deadline_becomes_a_timeout_naming_the_deadline() -> None:
 def test_unavailable_names_the_worker() -> None:
     received = error_from_status(grpc.StatusCode.UNAVAILABLE, "connection refused", (), ADDRESS, 5.0)
     assert str(received) == f"worker {ADDRESS} unavailable: connection refused"
+
+
+def test_details_are_capped_so_a_huge_echoed_id_still_arrives_as_its_own_error() -> None:
+    code, details, metadata = status_of(InvalidRequestError(f"request id {'x' * 100_000 + '#'!r} is reserved", "request_id"))
+    assert (code, len(details), details[-3:], metadata) == (
+        grpc.StatusCode.INVALID_ARGUMENT, MAX_DETAILS_CHARS, "...", ((PARAM_KEY, "request_id"),))

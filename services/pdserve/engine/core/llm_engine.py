@@ -19,7 +19,7 @@ from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, Ou
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
-from pdserve.engine.model.sampler import Sampler, SamplingRow, make_generator
+from pdserve.engine.model.sampler import Sampler, SamplingRow, check_sampling_params, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
 from pdserve.engine.core.stopping import finish_reason_after
@@ -192,6 +192,7 @@ class LLMEngine:
                 f"max_model_len {max_len}", "max_tokens")
         if not 1 <= request.sampling.n <= self.config.max_num_seqs:
             raise InvalidRequestError(f"n={request.sampling.n}: must be in 1..{self.config.max_num_seqs}", "n")
+        check_sampling_params(request.sampling)  # here, not first in a step that samples it with others
 
     def _check_id_free(self, request_id: RequestId) -> None:
         """InvalidRequestError for an id with a reserved mark; DuplicateRequestError while it names

@@ -21,6 +21,8 @@ import torch
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.request import SamplingParams, TokenLogprob
 
+MAX_LOGPROBS = 20  # top-N per token, as the router's API (and vLLM's default); more grows each output by the vocab
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
@@ -114,8 +116,8 @@ def check_sampling_params(params: SamplingParams) -> None:
         raise InvalidRequestError(f"top_p={params.top_p!r} must be in (0, 1]", "top_p")
     if params.top_k < 0:
         raise InvalidRequestError(f"top_k={params.top_k!r} must be >= 0 (0 disables it)", "top_k")
-    if params.logprobs is not None and params.logprobs < 0:
-        raise InvalidRequestError(f"logprobs={params.logprobs!r} must be >= 0", "logprobs")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs={params.logprobs!r} must be in 0..{MAX_LOGPROBS}", "logprobs")
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

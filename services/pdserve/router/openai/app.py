@@ -1,6 +1,7 @@
 """The router's FastAPI app: OpenAI-compatible routes over one `GenerateBackend`.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /metrics`, and
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /metrics`,
+`GET /openapi.json` (request bodies described from their models, `openapi.py`), and
 health: `GET /health/live` (liveness: 200 while the router answers HTTP), `GET /health/ready`
 (readiness: 200 while a decode-capable worker is in rotation, else 503 naming why) and `GET /health`
 (as readiness, vLLM's name). With API keys, every `/v1/` route (and `/metrics` when
@@ -35,7 +36,9 @@ from pdserve.router.openai.completions import create_completion
 from pdserve.router.openai.errors import ApiError, from_exception, install_error_handlers
 from pdserve.router.openai.logprobs import LogprobFormatter
 from pdserve.router.openai.metrics import RouterMetrics
+from pdserve.router.openai.openapi import describe_request_bodies, request_body
 from pdserve.router.openai.prompts import PromptTokenizer
+from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.openai.responses import ModelCard, ModelList
 from pdserve.router.openai.serving import ApiLimits, ClientGone, ServingContext, new_response_id
 
@@ -74,7 +77,8 @@ def create_app(
         finally:
             await backend.close()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     install_error_handlers(app)
     app.add_middleware(PendingLimit, max_pending=limits.max_pending_requests, paths=_GENERATION_ROUTES,
                        in_progress=ctx.metrics.in_progress)
@@ -83,15 +87,16 @@ def create_app(
     app.add_middleware(_CountRequests, metrics=ctx.metrics)  # the outer one: refusals are counted too
     _add_generation_routes(app, ctx, routing)
     _add_status_routes(app, ctx)
+    describe_request_bodies(app, (CompletionRequest, ChatCompletionRequest))
     return app
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServingContext, routing: Routing | None) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _answer(request, ctx, routing, create_completion, "cmpl")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await _answer(request, ctx, routing, create_chat_completion, "chatcmpl")
 

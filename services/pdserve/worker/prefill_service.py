@@ -12,6 +12,7 @@ the hold's lease.
 """
 import asyncio
 import logging
+import math
 import time
 from contextlib import aclosing
 
@@ -53,6 +54,9 @@ class PrefillService:
         return result
 
     async def _prefill(self, order: PrefillOrder) -> PrefillResult:
+        if not (math.isfinite(order.timeout_s) and order.timeout_s > 0):  # it is the hold's lease too
+            raise InvalidRequestError(f"timeout_s={order.timeout_s!r}: must be a positive, finite number of seconds",
+                                      "timeout_s")
         deadline = time.monotonic() + order.timeout_s
         if not self._transport.has_peer(order.decode_worker_id):
             raise UnknownPeerError(f"no KV handshake with decode worker {order.decode_worker_id!r}: handshake again")

@@ -1,7 +1,7 @@
 """KV handoff between a prefill-only engine and a decode engine (token-store stand-in, copied KV)."""
 import pytest
 
-from pdserve.common.errors import DuplicateRequestError
+from pdserve.common.errors import DuplicateRequestError, TransferError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
 from tests.unit.engine.test_llm_engine import make_engine, reference, request, run
@@ -116,6 +116,19 @@ def test_lease_frees_blocks_of_a_peer_that_never_comes_back():
     assert [o.finish_reason for o in outs] == ["error"]
     assert p.kv.num_used_blocks == 0 and d.kv.num_used_blocks == 0
     assert (p.num_lease_expiries, d.num_lease_expiries) == (1, 1)
+
+
+def test_the_held_blocks_of_an_expired_hold_are_a_transfer_error_not_a_key_error():
+    clock = [0.0]
+    p = make_engine()
+    p._clock = lambda: clock[0]
+    _prefill(p, request("r", list(range(10, 31))))  # held for 5 s
+    clock[0] = 10.0
+    p.reap_expired_leases()
+    with pytest.raises(TransferError, match="'r' is no longer held"):
+        p.held_block_ids(RequestId("r"))
+    with pytest.raises(TransferError, match="'never' is no longer held"):
+        p.held_block_ids(RequestId("never"))
 
 
 def test_abort_while_waiting_for_kv_frees_on_both_sides():

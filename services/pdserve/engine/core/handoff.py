@@ -14,6 +14,7 @@ decides what a completed or failed sequence does next.
 import itertools
 from collections.abc import Callable
 
+from pdserve.common.errors import TransferError
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.engine.core.sequence import Sequence, SeqStatus
 from pdserve.kvcache import KvCacheManager
@@ -53,7 +54,11 @@ class Handoffs:
         self._seqs[seq.request.request_id] = seq
 
     def held_block_ids(self, request_id: RequestId) -> list[BlockId]:
-        return self._kv.block_ids(self._seqs[request_id].seq_id)
+        """Prefill side: the held blocks; TransferError once they are not held (the lease ran out)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SeqStatus.HELD:
+            raise TransferError(f"the KV of {request_id!r} is no longer held: its lease ended before the write")
+        return self._kv.block_ids(seq.seq_id)
 
     def complete(self, request_id: RequestId) -> Sequence:
         """Decode side: every byte has landed; the prompt's blocks count as computed. An aborted

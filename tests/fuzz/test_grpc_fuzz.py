@@ -20,7 +20,7 @@ from pdserve.rpc.gen import kv_events_pb2, kv_transfer_pb2, request_pb2, worker_
 from tests.fuzz.worker_calls import FuzzStack, assert_worker_sound, call_raw
 
 pytestmark = pytest.mark.integration
-MAX_EXAMPLES = 30  # per method and kind of payload; the whole run stays within a minute or so on 2 cores
+MAX_EXAMPLES = 50  # per method and kind of payload: with the HTTP run, about a minute on 2 cores
 CALL_TIMEOUT_S = 30.0  # a call still running after this is a hung worker (DEADLINE_EXCEEDED fails the test)
 MAX_DETAILS_CHARS = 4096
 MAX_STREAM_MESSAGES = 1000  # more than any answer within the stack's 128-token context

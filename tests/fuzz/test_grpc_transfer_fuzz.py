@@ -24,7 +24,7 @@ PEER = WorkerId("fuzz-decode")
 NUM_PEER_BLOCKS = 16
 CALL_TIMEOUT_S = 30.0
 U32 = 2**32 - 1
-MAX_EXAMPLES = 30
+MAX_EXAMPLES = 50
 
 
 @dataclasses.dataclass

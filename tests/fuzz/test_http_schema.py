@@ -9,10 +9,10 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from pdserve.router.openai.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS
-from tests.fuzz.worker_calls import FuzzStack, assert_worker_sound
+from tests.fuzz.worker_calls import MAX_TOKENS, PROMPT, FuzzStack, assert_worker_sound
 
 pytestmark = pytest.mark.integration
-MAX_EXAMPLES = 25  # per operation and generation mode; the run must stay within a minute or so on 2 cores
+MAX_EXAMPLES = 75  # per operation and generation mode: with the gRPC runs, about a minute on 2 cores
 MAX_ERROR_BODY_BYTES = 4 * (MAX_MESSAGE_CHARS + MAX_PARAM_CHARS) + 256  # JSON escapes a character to <= 6 bytes
 
 
@@ -81,6 +81,11 @@ def test_a_huge_request_id_gets_a_small_error(fuzz_stack: FuzzStack) -> None:
     assert len(response.content) <= MAX_ERROR_BODY_BYTES
 
 
-def test_the_worker_is_sound_after_the_http_fuzz(fuzz_stack: FuzzStack) -> None:
+def test_the_stack_is_sound_after_the_http_fuzz(fuzz_stack: FuzzStack) -> None:
     baseline = fuzz_stack.baselines[fuzz_stack.worker]
     assert_worker_sound(fuzz_stack.worker, baseline.integrity, baseline.tokens)
+    assert httpx.get(f"{fuzz_stack.router_url}/health/ready", timeout=10).status_code == 200
+    response = httpx.post(f"{fuzz_stack.router_url}/v1/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text[:500]
+    assert response.json()["usage"]["completion_tokens"] == MAX_TOKENS

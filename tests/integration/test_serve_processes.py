@@ -180,7 +180,7 @@ def test_a_router_refuses_the_workers_of_another_deployment_saying_why(tmp_path:
     assert route_of(serve.url)["decode"] == decode  # serve's own router still uses it
 
 
-@pytest.mark.parametrize("flag", ["--port", "--worker-port", "--metrics-port"])
+@pytest.mark.parametrize("flag", ["--port", "--worker-port", "--metrics-port", "--serve-metrics-port"])
 def test_serve_on_a_busy_fixed_port_is_one_line_and_a_nonzero_exit_at_once(tmp_path: Path, flag: str) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

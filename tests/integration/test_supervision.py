@@ -205,3 +205,15 @@ def refusal_of(address: str) -> str:
         return ""
 
     return asyncio.run(ask())
+
+
+def test_sigterm_to_serve_drains_its_workers_then_stops_and_exits_0(serve: Serve) -> None:
+    """Last in the module: it ends the module's serve."""
+    wait_until(lambda: answers(serve.url), START_TIMEOUT_S, "serve does not answer")
+    frames = stream(serve.url, max_tokens=200)
+    first = next(frames)
+    serve.process.send_signal(signal.SIGTERM)
+    rest = [first, *frames]
+    finish = [frame["choices"][0]["finish_reason"] for frame in rest if isinstance(frame, dict) and frame["choices"]]
+    assert (rest[-1], finish[-1], [f for f in rest if isinstance(f, dict) and "error" in f]) == ("[DONE]", "length", [])
+    assert serve.process.wait(90) == 0

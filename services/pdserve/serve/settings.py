@@ -2,7 +2,8 @@
 
 Serve takes the router's flags (`--host`/`--port` are HTTP), the worker flags (their gRPC
 address is `--worker-host`/`--worker-port`), the topology flags (`--prefill N --decode M`, or
-`--aggregated` / `--workers K`) and the launcher's own. Flags router and worker share
+`--aggregated` / `--workers K`) and the launcher's own (timeouts, the restart backoff of a
+worker that exits, the port of its restart metrics). Flags router and worker share
 (`--model`, `--served-model-name`, `--cache-dir`, `--log-level`, `--deployment-id`) set both.
 Workers take free ports unless `--worker-port` is given (then worker i listens on
 `--worker-port` + i); metrics on `--metrics-port` + i when given; prefill workers come first.

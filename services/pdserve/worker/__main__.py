@@ -1,5 +1,6 @@
 """`pdserve worker`: resolve the settings, build the engine, serve it over gRPC until
-SIGINT or SIGTERM, then drain for at most `--drain-timeout` seconds and exit.
+SIGINT or SIGTERM, then drain (new requests refused saying why, running ones finish within
+`--drain-timeout` seconds, `server.py`) and exit 0.
 
 The Worker service serves the role's engine behind `BoundedEngine` (at most
 `--max-waiting-requests` waiting; refused while the watchdog finds the engine thread wedged)."""

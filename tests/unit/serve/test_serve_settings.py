@@ -102,6 +102,10 @@ def test_metrics_port_zero_lets_each_worker_pick() -> None:
      "2 workers need ports up to 65535"),
     (["--workers", "3", "--metrics-port", "65534"], NO_ENV, "--metrics-port", "3 workers need ports up to 65535"),
     (["--worker-port", "99999"], NO_ENV, "--worker-port", "must be in 0..65535"),
+    (["--restart-backoff", "0"], NO_ENV, "--restart-backoff", "must be > 0"),
+    (["--restart-backoff", "8", "--max-restart-backoff", "4"], NO_ENV, "--max-restart-backoff",
+     "must be >= --restart-backoff (8)"),
+    (["--serve-metrics-port", "70000"], NO_ENV, "--serve-metrics-port", "must be in 0..65535"),
 ])
 def test_bad_topology_names_the_flag(argv: list[str], env: dict[str, str], field: str, reason: str) -> None:
     with pytest.raises(ConfigError) as caught:

@@ -6,6 +6,7 @@ an error's details are bounded; and afterwards each worker is alive, its KV book
 the blocks in use at baseline, and a normal request gets the same tokens as before the fuzzing.
 """
 import math
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.rpc.gen import kv_events_pb2, kv_transfer_pb2, request_pb2, worker_pb2, worker_pb2_grpc
-from tests.fuzz.worker_calls import FuzzStack, assert_worker_sound, call_raw
+from tests.fuzz.worker_calls import MAX_TOKENS, PROMPT, FuzzStack, assert_worker_sound, call_raw
 
 pytestmark = pytest.mark.integration
 MAX_EXAMPLES = 50  # per method and kind of payload: with the HTTP run, about a minute on 2 cores
@@ -28,6 +29,7 @@ ENDLESS_STREAMS = {"pdserve.v1.KvEvents.Subscribe"}  # read one batch, then canc
 ROLE_SERVICES = {  # which worker of the stack serves which services
     "worker": ("Worker", "KvEvents"),
     "prefill_worker": ("Worker", "KvEvents", "KvTransfer"),
+    "decode_worker": ("Worker", "KvEvents"),
 }
 _FILES = (worker_pb2, kv_events_pb2, kv_transfer_pb2)
 SERVICES = {service.name: service for file in _FILES for service in file.DESCRIPTOR.services_by_name.values()}
@@ -179,13 +181,15 @@ def admissible_generate_requests(draw: st.DrawFn) -> request_pb2.GenerateRequest
     return message
 
 
+@pytest.mark.parametrize("role", ["worker", "decode_worker"])
 @FUZZ_SETTINGS
 @given(message=admissible_generate_requests())
-def test_admissible_generate_requests_never_fail_a_step(fuzz_stack: FuzzStack, message: request_pb2.GenerateRequest
-                                                         ) -> None:
+def test_admissible_generate_requests_never_fail_a_step(fuzz_stack: FuzzStack, role: str,
+                                                        message: request_pb2.GenerateRequest) -> None:
     """Refused at admission (INVALID_ARGUMENT) or served to the end: never an ERROR output,
-    which would mean a parameter the engine let in broke the step it ran in."""
-    with grpc.insecure_channel(fuzz_stack.worker) as channel:
+    which would mean a parameter the engine let in broke the step it ran in. (On the decode
+    worker a random `prefill_worker` is dialled, fails, and the prompt is prefilled locally.)"""
+    with grpc.insecure_channel(getattr(fuzz_stack, role)) as channel:
         try:
             outputs = list(worker_pb2_grpc.WorkerStub(channel).Generate(message, timeout=CALL_TIMEOUT_S))
         except grpc.RpcError as err:
@@ -228,7 +232,7 @@ OUT_OF_RANGE_GENERATE = [
      OK),  # a span past the prompt touches no block
     (request_pb2.GenerateRequest(request_id="oor-prefill-worker", prompt_token_ids=list(range(1, 60)),
                                  sampling=request_pb2.SamplingParams(max_tokens=2, n=1, top_p=1.0),
-                                 prefill_worker="127.0.0.1:1"), OK),  # not a decode worker: prefills itself
+                                 prefill_worker="127.0.0.1:1"), OK),  # nobody there: prefilled locally
     (_generate("x" * 1_000_000, [1, 2, 3]), OK),
     (_generate("x" * 1_000_000 + "#", [1, 2, 3]), INVALID),  # was RESOURCE_EXHAUSTED: the echoed id overflowed the trailer
 ]
@@ -269,6 +273,21 @@ def test_out_of_range_transfer_orders(channels: dict[str, grpc.Channel], message
     assert code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
                         grpc.StatusCode.UNAVAILABLE), (code, details[:500])
     assert len(details) <= MAX_DETAILS_CHARS, details[:200]
+
+
+@pytest.mark.parametrize("prefill_worker", [
+    lambda stack: "", lambda stack: "::::", lambda stack: "x" * 10_000, lambda stack: "127.0.0.1:0",
+    lambda stack: "[::1]:99999", lambda stack: "unix:/nonexistent", lambda stack: "dns:///no.such.host.invalid:1",
+    lambda stack: stack.worker,  # a worker without KvTransfer
+    lambda stack: stack.decode_worker,  # itself
+], ids=["empty", "colons", "huge", "port-0", "port-out-of-range", "unix", "no-such-host", "not-prefill", "itself"])
+def test_hostile_prefill_worker_addresses_are_prefilled_locally(fuzz_stack: FuzzStack, prefill_worker) -> None:
+    message = _generate(f"hostile-prefill-{time.monotonic_ns()}", PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
+    message.prefill_worker = prefill_worker(fuzz_stack)
+    with grpc.insecure_channel(fuzz_stack.decode_worker) as channel:
+        outputs = list(worker_pb2_grpc.WorkerStub(channel).Generate(message, timeout=CALL_TIMEOUT_S))
+    assert [token for output in outputs for token in output.token_ids] == \
+        fuzz_stack.baselines[fuzz_stack.decode_worker].tokens
 
 
 @pytest.mark.parametrize("request_id", ["", "never-seen", "#", "x" * 1_000_000])

@@ -25,6 +25,7 @@ class FuzzStack:
     router_url: str
     worker: str  # role both, behind the router
     prefill_worker: str
+    decode_worker: str
     baselines: dict[str, Baseline]  # by worker address
 
 

@@ -173,7 +173,7 @@ def admissible_generate_requests(draw: st.DrawFn) -> request_pb2.GenerateRequest
     message.request_id = f"fuzz-{draw(st.integers(0, 2**64))}"
     message.prompt_token_ids[:] = draw(st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=80))
     message.sampling.max_tokens = draw(st.integers(1, 24))
-    message.sampling.n = draw(st.integers(1, 4))
+    message.sampling.n = draw(st.one_of(st.just(1), st.integers(1, 4)))  # n > 1 is prefilled locally
     message.sampling.temperature = draw(st.one_of(st.just(0.0), st.floats(0.0, 2.0)))
     message.sampling.top_p = draw(st.floats(0.0, 1.0, exclude_min=True))
     if message.sampling.HasField("logprobs"):
@@ -183,12 +183,16 @@ def admissible_generate_requests(draw: st.DrawFn) -> request_pb2.GenerateRequest
 
 @pytest.mark.parametrize("role", ["worker", "decode_worker"])
 @FUZZ_SETTINGS
-@given(message=admissible_generate_requests())
+@given(message=admissible_generate_requests(), via_prefill_worker=st.booleans())
 def test_admissible_generate_requests_never_fail_a_step(fuzz_stack: FuzzStack, role: str,
-                                                        message: request_pb2.GenerateRequest) -> None:
+                                                        message: request_pb2.GenerateRequest,
+                                                        via_prefill_worker: bool) -> None:
     """Refused at admission (INVALID_ARGUMENT) or served to the end: never an ERROR output,
-    which would mean a parameter the engine let in broke the step it ran in. (On the decode
-    worker a random `prefill_worker` is dialled, fails, and the prompt is prefilled locally.)"""
+    which would mean a parameter the engine let in broke the step it ran in. On the decode
+    worker the prompt's KV comes from the real prefill worker, or from the random address
+    `prefill_worker` names (dialled, failed, prefilled locally)."""
+    if via_prefill_worker:
+        message.prefill_worker = fuzz_stack.prefill_worker
     with grpc.insecure_channel(getattr(fuzz_stack, role)) as channel:
         try:
             outputs = list(worker_pb2_grpc.WorkerStub(channel).Generate(message, timeout=CALL_TIMEOUT_S))

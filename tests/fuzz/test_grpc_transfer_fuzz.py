@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pdserve.common.ids import WorkerId
 from pdserve.rpc.gen import kv_transfer_pb2, kv_transfer_pb2_grpc, request_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.rpc.status import MAX_DETAILS_CHARS
 from pdserve.transfer.handshake import PeerMetadata
 from pdserve.transfer.layout import KvLayoutSpec
 from tests.fuzz.worker_calls import FuzzStack, assert_worker_sound
@@ -130,7 +131,7 @@ def test_random_orders_end_with_a_status(prefill_stub, decode_peer: DecodePeer, 
     code, details = call_prefill(prefill_stub, order("random", num_tokens, dest_block_ids, first_block, timeout_s))
     assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
                         grpc.StatusCode.INTERNAL), details[:500]
-    assert len(details) <= 1024
+    assert len(details) <= MAX_DETAILS_CHARS
 
 
 def test_a_peer_claiming_more_blocks_than_it_registered_is_written_nowhere_else(

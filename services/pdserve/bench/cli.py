@@ -104,7 +104,8 @@ async def run_benchmark(config: BenchConfig) -> int:
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     timeout = httpx.Timeout(config.request_timeout_s, connect=CONNECT_TIMEOUT_S)
     limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as http:
         target = await _resolve_target(config, http)
         conversations = build_dataset(config.dataset, target.tokenizer, config.seed)
         result = await _timed_run(config, http, target, conversations)

@@ -2,7 +2,8 @@
 the same, parsed once into a frozen `BenchConfig`."""
 import argparse
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from pdserve.bench.slo import Slo, parse_slo, parse_vllm_goodput
 from pdserve.common.errors import ConfigError
 
 CHAT_BACKENDS = ("openai-chat",)
+API_KEY_ENV = ("PDSERVE_API_KEY", "OPENAI_API_KEY")  # the first set one is sent when --api-key is not given
 BACKENDS = ("vllm", "openai", "openai-chat")
 
 
@@ -47,6 +49,7 @@ class BenchConfig:
     json_path: str | None
     plot_path: str | None
     show_progress: bool
+    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer`, never printed
 
 
 def _add_target_flags(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +63,8 @@ def _add_target_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", help="model name sent in requests (default: first of /v1/models)")
     group.add_argument("--tokenizer", help="tokenizer path used to count and build prompts")
     group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    group.add_argument("--api-key", help=f"bearer key for a server that wants one (default: ${API_KEY_ENV[0]}, "
+                                         f"then ${API_KEY_ENV[1]})")
 
 
 def _add_dataset_flags(parser: argparse.ArgumentParser) -> None:
@@ -196,4 +201,5 @@ def parse_config(argv: list[str]) -> BenchConfig:
         temperature=args.temperature, ignore_eos=args.ignore_eos, slo=_slo(args),
         percentiles=_percentiles(args.metric_percentiles), request_timeout_s=args.request_timeout,
         json_path=json_path, plot_path=args.plot_path, show_progress=not args.disable_tqdm,
+        api_key=args.api_key or next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None),
     )

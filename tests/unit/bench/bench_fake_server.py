@@ -36,6 +36,7 @@ class Behavior:
     include_usage: bool = True
     chunk_delay_s: float = 0.0
     model_id: str = MODEL_ID  # what /v1/models lists (a local path makes it the tokenizer)
+    api_key: str | None = None  # when set, /v1/* without `Authorization: Bearer <key>` is 401
     bodies: list[dict] = field(default_factory=list)  # every POST body, in arrival order
     num_in_flight: int = 0
     max_in_flight: int = 0
@@ -72,6 +73,12 @@ async def _stream(body: dict, behavior: Behavior):
 
 def make_app(behavior: Behavior) -> FastAPI:
     app = FastAPI()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if behavior.api_key and request.headers.get("authorization") != f"Bearer {behavior.api_key}":
+            return JSONResponse({"error": {"message": "invalid API key", "code": 401}}, status_code=401)
+        return await call_next(request)
 
     @app.get("/v1/models")
     async def models():

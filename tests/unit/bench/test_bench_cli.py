@@ -131,3 +131,14 @@ def test_a_served_model_that_is_not_a_local_path_gets_a_tokenizer_note(serve, ca
     err = capsys.readouterr().err
     assert err.startswith("pdserve bench: note: 'org/some-remote-model' is not a local path; counting tokens with ")
     assert err.endswith(".gguf (--tokenizer chooses another)\n")
+
+
+def test_a_server_that_wants_a_key_gets_it_from_the_flag_or_the_environment(serve, monkeypatch, capsys):
+    server = serve(Behavior(api_key="sk-bench"))
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert main(["--base-url", server.base_url, *SMALL_RUN]) == 1  # no key: /v1/models is refused
+    assert main(["--base-url", server.base_url, *SMALL_RUN, "--api-key", "sk-bench"]) == 0
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-bench")
+    assert main(["--base-url", server.base_url, *SMALL_RUN]) == 0
+    assert "sk-bench" not in capsys.readouterr().out

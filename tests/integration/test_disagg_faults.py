@@ -27,10 +27,7 @@ class Stack:
         self.prefill_port, self.decode_port, self.metrics_port = free_port(), free_port(), free_port()
         self.starts = 0
         self.prefill = self.start_prefill()
-        self.decode = start(["worker", "--role", "decode", "--port", str(self.decode_port), "--metrics-port",
-                             str(self.metrics_port), "--disagg-min-prefill-tokens", "1", *self.common],
-                            directory / "decode.log")
-        wait_for_worker(self.decode_address, self.decode)
+        self.decode = self.start_decode()
 
     @property
     def prefill_address(self) -> str:
@@ -45,6 +42,15 @@ class Stack:
         process = start(["worker", "--role", "prefill", "--worker-id", "prefill-0", "--port", str(self.prefill_port),
                          *self.common], self.logs / f"prefill-{self.starts}.log")
         wait_for_worker(self.prefill_address, process)
+        return process
+
+    def start_decode(self):
+        """The decode worker; its worker id (the NIXL agent name) is the same at every start."""
+        self.starts += 1
+        process = start(["worker", "--role", "decode", "--worker-id", "decode-0", "--port", str(self.decode_port),
+                         "--metrics-port", str(self.metrics_port), "--disagg-min-prefill-tokens", "1", *self.common],
+                        self.logs / f"decode-{self.starts}.log")
+        wait_for_worker(self.decode_address, process)
         return process
 
     def metric(self, name: str, labels: str = "") -> float:
@@ -156,3 +162,15 @@ def test_the_first_output_names_the_worker_that_prefilled_the_prompt(stack):
     assert remote.prefilled_by == stack.prefill_address and all(o.prefilled_by == "" for o in rest)
     local, _ = asyncio.run(first_output(_request("path-local", 21), prefill=False))
     assert local.prefilled_by == "local"
+
+
+def test_a_decode_worker_restarted_under_its_worker_id_gets_remote_prefills_again(stack):
+    """The prefill worker knows the old decode agent under the same id: the new one's handshake
+    replaces it (NIXL metadata of a new process), and its KV then arrives over the new peer."""
+    asyncio.run(_generate(stack, _request("before-restart", 30)))
+    stop(stack.decode)
+    stack.decode = stack.start_decode()
+    reference = asyncio.run(_generate(stack, _request("restart-ref", 31), prefill=False))
+    assert asyncio.run(_generate(stack, _request("after-restart", 31))) == reference
+    assert stack.metric("pdserve_kv_transfer_bytes_total", 'direction="received"') > 0
+    assert stack.metric("pdserve_local_prefills_total", 'reason="peer_unavailable"') == 0

@@ -133,6 +133,13 @@ def test_duplicate_request_id_is_rejected():
         engine.add_request(request("a", [1, 2]))
 
 
+def test_an_empty_request_id_is_refused():
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(request("", [1, 2]))
+    assert info.value.param == "request_id" and not engine.has_work
+
+
 def test_an_id_with_the_engines_sibling_mark_is_refused_and_the_siblings_finish():
     engine = make_engine()
     engine.add_request(request("x", [1, 2, 3], max_tokens=4, n=2))

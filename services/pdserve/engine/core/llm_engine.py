@@ -198,6 +198,8 @@ class LLMEngine:
         """InvalidRequestError for an id with a reserved mark; DuplicateRequestError while it names
         a live request or blocks the KV manager still holds under it (kept for a peer, or a
         transfer not yet settled). Refused here, alone, never left for a step's batch to trip over."""
+        if not request_id:
+            raise InvalidRequestError("request id must not be empty", "request_id")
         if any(mark in request_id for mark in RESERVED_ID_MARKS):
             raise InvalidRequestError(f"request id {request_id!r} contains one of {''.join(RESERVED_ID_MARKS)!r}, "
                                       "reserved for the engine's own sequence ids", "request_id")

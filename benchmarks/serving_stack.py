@@ -3,6 +3,9 @@
 `ServingStack` starts each process as `python -m pdserve.cli <kind> <flags>`, waits (bounded)
 until it serves, records its start-to-ready time, reads its peak RSS (VmHWM from /proc) and
 stops every process it started when the `with` block ends (router first, SIGINT, then kill).
+The internal plane is mutual TLS, as users run it: the stack makes an authority and gives each
+process a certificate of its name (a worker's name is its worker id); `insecure=True` runs it
+in plain text instead (`--insecure-internal`), for measuring what TLS costs.
 Also builds the random-weight 160M Llama checkpoint (`--random-160m`).
 """
 import contextlib
@@ -18,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Self
+
+from pdserve.common import pki
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 20.0
@@ -62,10 +67,10 @@ class Started:
     ready_s: float
 
 
-def _is_worker_serving(address: str) -> bool:
+def _is_worker_serving(address: str, tls_dir: str | None) -> bool:
     from pdserve.rpc.probe import is_worker_serving
 
-    return is_worker_serving(address, 1.0)
+    return is_worker_serving(address, 1.0, None, tls_dir)
 
 
 def _is_router_serving(url: str) -> bool:
@@ -79,10 +84,19 @@ def _is_router_serving(url: str) -> bool:
 class ServingStack:
     """Processes started for one measurement; a context manager that stops them all."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, insecure: bool = False) -> None:
         self.log_dir = log_dir
         self._processes: list[subprocess.Popen] = []
         self._logs: list[IO[bytes]] = []
+        self._authority = None if insecure else pki.Authority.create("pdserve benchmark")
+        self._probe_tls = self._tls_flags("probe")[1] if self._authority else None
+
+    def _tls_flags(self, identity: str) -> list[str]:
+        """`--tls-dir` with a fresh certificate of `identity`, or `--insecure-internal`."""
+        if self._authority is None:
+            return ["--insecure-internal"]
+        folder = self._authority.issue(identity, ("127.0.0.1",)).write(self.log_dir / "tls" / identity)
+        return ["--tls-dir", str(folder)]
 
     def __enter__(self) -> Self:
         return self
@@ -112,16 +126,16 @@ class ServingStack:
         """A `pdserve worker` on a free loopback port; `flags` must not set --host/--port."""
         address = f"127.0.0.1:{free_port()}"
         host, port = address.split(":")
-        return self._start(name, "worker", ["--host", host, "--port", port, *flags], address,
-                           lambda: _is_worker_serving(address))
+        return self._start(name, "worker", ["--host", host, "--port", port, *self._tls_flags(name), *flags], address,
+                           lambda: _is_worker_serving(address, self._probe_tls))
 
     def start_router(self, workers: list[Started], flags: list[str]) -> Started:
         """A `pdserve router` calling `workers` (one `--worker` each), ready when /v1/models answers."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         worker_flags = [arg for w in workers for arg in ("--worker", w.address)]
-        return self._start("router", "router", ["--port", str(port), *worker_flags, *flags], url,
-                           lambda: _is_router_serving(url))
+        return self._start("router", "router", ["--port", str(port), *worker_flags, *self._tls_flags("router"), *flags],
+                           url, lambda: _is_router_serving(url))
 
 
 def _tail(path: str, num_chars: int = 3000) -> str:

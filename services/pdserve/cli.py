@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "router": ("pdserve.router.__main__", "main", "run the HTTP router"),
     "worker": ("pdserve.worker.__main__", "main", "run one worker (role prefill|decode|both)"),
     "bench": ("pdserve.bench.cli", "main", "load-test an OpenAI-compatible endpoint"),
+    "certs": ("pdserve.serve.certs", "main", "make certificates for the internal gRPC plane (mutual TLS)"),
 }
 
 

@@ -52,6 +52,14 @@ def command_of(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
+def serve_credentials_dir(serve_pid: int) -> str:
+    """The TLS folder `pdserve serve` gave its router (on the router's command line): a test's
+    client calls that serve's workers under the router's identity."""
+    (command,) = [command_of(pid) for pid in children_of(serve_pid) if " router " in command_of(pid)]
+    args = command.split()
+    return args[args.index("--tls-dir") + 1]
+
+
 def is_running(pid: int) -> bool:
     """Alive and not a zombie (a re-parented process may wait a while for its new parent to reap it)."""
     try:
@@ -66,9 +74,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def plain_text(args: Sequence[str]) -> list[str]:
+    """`pdserve worker|router` args with `--insecure-internal` unless they give `--tls-dir`: tests
+    of other things reach workers with plain-text clients; test_internal_tls.py runs mutual TLS."""
+    is_internal = bool(args) and args[0] in ("worker", "router")
+    return [*args, "--insecure-internal"] if is_internal and "--tls-dir" not in args else list(args)
+
+
 def start(args: Sequence[str], log_path: Path | None = None) -> subprocess.Popen:
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
-    return subprocess.Popen([PDSERVE, *args], stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen([PDSERVE, *plain_text(args)], stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_for_worker(address: str, process: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:

@@ -29,10 +29,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
     worker = subprocess.Popen(
         [PDSERVE, "worker", "--model", checkpoint, "--port", str(worker_port), "--device", "cpu",
          "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-kv-tokens", "8192",
-         "--num-threads", "1", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--num-threads", "1", "--log-level", "warning", "--insecure-internal"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     router = subprocess.Popen(
         [PDSERVE, "router", "--model", checkpoint, "--port", str(router_port),
-         "--worker", f"127.0.0.1:{worker_port}", "--log-level", "warning"],
+         "--worker", f"127.0.0.1:{worker_port}", "--log-level", "warning", "--insecure-internal"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{router_port}"
     try:

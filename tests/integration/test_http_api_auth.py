@@ -93,7 +93,8 @@ def stack(checkpoint: str, keys_file: str, tmp_path_factory: pytest.TempPathFact
         with open(logs / "router.log", "wb") as out:
             router = subprocess.Popen(
                 [PDSERVE, "router", "--model", checkpoint, "--port", str(router_port), "--cache-dir", "",
-                 "--worker", f"127.0.0.1:{worker_port}", "--api-keys-file", keys_file, "--log-level", "debug"],
+                 "--worker", f"127.0.0.1:{worker_port}", "--api-keys-file", keys_file, "--log-level", "debug",
+                 "--insecure-internal"],
                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PDSERVE_API_KEY": DEFAULT_KEY})
         processes.append(router)
         url = f"http://127.0.0.1:{router_port}"

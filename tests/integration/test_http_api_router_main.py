@@ -83,7 +83,7 @@ def router(worker: tuple[int, WordBackend]) -> Iterator[tuple[str, subprocess.Po
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "router", "--worker", f"127.0.0.1:{worker[0]}",
-         "--port", str(port), "--served-model-name", "words", "--log-level", "warning"])
+         "--port", str(port), "--served-model-name", "words", "--log-level", "warning", "--insecure-internal"])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, process)

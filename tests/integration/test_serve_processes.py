@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.ports import is_port_free
+from pdserve.common.tls import TlsConfig
 from pdserve.rpc.worker_client import GrpcBackend
-from tests.integration.stack import children_of, command_of, free_port, is_running
+from tests.integration.stack import children_of, command_of, free_port, is_running, serve_credentials_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -100,9 +101,12 @@ def route_of(url: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in header.split(";"))
 
 
-def deployment_of(address: str) -> str | None:
+def deployment_of(address: str, serve: "Serve") -> str | None:
+    """Asked over serve's mutual TLS, as its router."""
+    tls = TlsConfig.from_dir(serve_credentials_dir(serve.process.pid))
+
     async def ask() -> str | None:
-        backend = GrpcBackend(address)
+        backend = GrpcBackend(address, tls=tls)
         try:
             return (await backend.info()).deployment_id
         finally:
@@ -159,7 +163,7 @@ def test_two_serves_side_by_side_each_answer_with_their_own_workers(tmp_path: Pa
         assert [f"--deployment-id {serve.deployment_id}" in command for command in children] == [True] * 3
         route = route_of(serve.url)
         assert {route["decode"], route["prefill"]} == serve.worker_addresses
-        assert {deployment_of(address) for address in serve.worker_addresses} == {serve.deployment_id}
+        assert {deployment_of(address, serve) for address in serve.worker_addresses} == {serve.deployment_id}
 
 
 def test_a_router_refuses_the_workers_of_another_deployment_saying_why(tmp_path: Path,
@@ -170,7 +174,8 @@ def test_a_router_refuses_the_workers_of_another_deployment_saying_why(tmp_path:
     decode = serve.banner_value("  decode   ")[0]
     router = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "router", "--port", str(free_port()), "--worker", decode,
-         "--deployment-id", "shop-b", "--worker-wait-timeout", "30", "--cache-dir", str(tmp_path / "cache")],
+         "--deployment-id", "shop-b", "--worker-wait-timeout", "30", "--cache-dir", str(tmp_path / "cache"),
+         "--tls-dir", serve_credentials_dir(serve.process.pid)],
         capture_output=True, text=True, timeout=ERROR_TIMEOUT_S)
     why = f"worker {decode} deployment_id='shop-a': this router admits only workers of deployment 'shop-b'"
     assert router.returncode == 1
@@ -200,7 +205,7 @@ def test_a_lone_worker_or_router_on_a_busy_port_says_so_before_anything_slow(kin
         holder.listen()
         port = holder.getsockname()[1]
         # the worker would load its model, the router wait for its (absent) workers
-        process = subprocess.run([sys.executable, "-m", "pdserve.cli", kind, "--port", str(port)],
+        process = subprocess.run([sys.executable, "-m", "pdserve.cli", kind, "--port", str(port), "--insecure-internal"],
                                  capture_output=True, text=True, timeout=ERROR_TIMEOUT_S)
     assert process.returncode == 2
     assert process.stderr == f"pdserve {kind}: --port={port}: 127.0.0.1:{port} is in use\n"

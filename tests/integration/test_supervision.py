@@ -21,8 +21,9 @@ import pytest
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
+from pdserve.common.tls import TlsConfig
 from pdserve.rpc.worker_client import GrpcBackend
-from tests.integration.stack import children_of, command_of, free_port, is_running, metric
+from tests.integration.stack import children_of, command_of, free_port, is_running, metric, serve_credentials_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -172,7 +173,7 @@ def test_sigterm_drains_a_worker_its_stream_completes_new_requests_are_refused_a
     frames = stream(serve.url, max_tokens=200)
     first = next(frames)
     os.kill(pid, signal.SIGTERM)
-    wait_until(lambda: "draining" in refusal_of(decode), 10.0, "the draining worker did not refuse a request")
+    wait_until(lambda: "draining" in refusal_of(decode, serve), 10.0, "the draining worker did not refuse a request")
     refused = complete(serve.url)  # the only decode worker drains: the router has nowhere to send it
     rest = [first, *frames]
     text = "".join(frame["choices"][0]["text"] for frame in rest if isinstance(frame, dict) and frame["choices"])
@@ -188,12 +189,15 @@ def test_sigterm_drains_a_worker_its_stream_completes_new_requests_are_refused_a
     wait_until(lambda: answers(serve.url), START_TIMEOUT_S, "serve did not answer after the drained worker's restart")
 
 
-def refusal_of(address: str) -> str:
-    """What the worker at `address` answers a new request with ("" when it takes it)."""
+def refusal_of(address: str, serve: Serve) -> str:
+    """What the worker at `address` answers a new request with ("" when it takes it), asked over
+    serve's mutual TLS as its router."""
     import asyncio
 
+    tls = TlsConfig.from_dir(serve_credentials_dir(serve.process.pid))
+
     async def ask() -> str:
-        backend = GrpcBackend(address, generate_timeout_s=30.0)
+        backend = GrpcBackend(address, generate_timeout_s=30.0, tls=tls)
         request = GenerationRequest(RequestId("drain-probe"), (1, 2, 3), SamplingParams(max_tokens=1))
         try:
             async for _ in backend.generate(request):

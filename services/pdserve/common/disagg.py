@@ -1,5 +1,5 @@
 """What a decode worker asks of a prefill worker, and what it gets back (no protobuf here)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.common.ids import BlockId, WorkerId
 from pdserve.common.request import GenerationRequest, TokenLogprob
@@ -17,6 +17,18 @@ class PrefillOrder:
     first_block: int
     dest_block_ids: tuple[BlockId, ...]
     timeout_s: float
+    grant: bytes = b""  # the decode worker's HMAC over the fields above (worker/write_grants.py)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """One side of a KV handshake: who we are, our transport metadata, our deployment, and (from
+    a decode worker) the key its write grants are signed with."""
+
+    worker_id: WorkerId
+    metadata: bytes
+    deployment_id: str = ""
+    order_key: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

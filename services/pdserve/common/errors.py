@@ -56,6 +56,12 @@ class UnknownPeerError(TransferError):
     restarted since): refused before computing anything, so no bytes were moved."""
 
 
+class PermissionDeniedError(TransferError):
+    """A call the caller's identity does not allow: a handshake claiming another worker's id,
+    a write order for blocks the caller did not reserve, or a peer of another deployment.
+    Refused before anything changes (gRPC PERMISSION_DENIED)."""
+
+
 class WorkerUnavailableError(PdserveError):
     """A worker cannot be reached, or is shutting down (HTTP 503)."""
 

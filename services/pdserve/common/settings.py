@@ -10,6 +10,7 @@ the meaning is the same. A bad value raises ConfigError naming where it came fro
 """
 import dataclasses
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,7 +97,14 @@ class WorkerSettings:
                                  help="seconds running requests may finish after SIGTERM")
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
     worker_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
-                                help="name of this worker to its peers (default: <role>@<address>)")
+                                help="name of this worker to its peers (default: the identity in its TLS "
+                                     "certificate, else <role>@<host name>:<port>)")
+    tls_dir: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                              help="folder with ca.crt, tls.crt and tls.key: mutual TLS on every internal gRPC "
+                                   "call (`pdserve certs` makes them)")
+    insecure_internal: bool = opt(False, parse=cv.parse_bool,
+                                  help="internal gRPC in plain text, without --tls-dir: anyone who reaches the "
+                                       "port can read and write the KV cache (logged as a warning)")
     deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                     help="the deployment this worker belongs to, told to routers that ask; a router "
                                          "with a deployment id admits only its own workers (pdserve serve: a fresh "
@@ -142,8 +150,13 @@ class WorkerSettings:
 
     @property
     def peer_name(self) -> str:
-        """This worker's name in KV transfers (NIXL agent name)."""
-        return self.worker_id or f"{self.role}@{self.address}"
+        """This worker's name in KV transfers (NIXL agent name): `worker_id`, else
+        <role>@<host>:<port> with this machine's name for a wildcard host, so that workers
+        listening on 0.0.0.0 on two hosts do not share a name."""
+        if self.worker_id:
+            return self.worker_id
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{self.role}@{host}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +191,12 @@ class RouterSettings:
     deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                     help="admit only workers started with this --deployment-id (pdserve serve: a "
                                          "fresh id per launch); unset: admit any worker and log the id it reports")
+    tls_dir: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                              help="folder with ca.crt, tls.crt and tls.key: mutual TLS on every internal gRPC "
+                                   "call (`pdserve certs` makes them)")
+    insecure_internal: bool = opt(False, parse=cv.parse_bool,
+                                  help="internal gRPC in plain text, without --tls-dir: anyone who reaches the "
+                                       "port can read and write the KV cache (logged as a warning)")
     # ---- API keys and tenants (see router/openai/access/) ----
     api_key: tuple[str, ...] = opt((), parse=cv.parse_api_keys, secret=True,
                                    help="API key(s) every /v1 request must send as 'Authorization: Bearer <key>', "

@@ -5,6 +5,8 @@ Exit status: 0 after a clean stop (SIGINT/SIGTERM), 2 for a bad setting (an unus
 `--api-keys-file` included), a `--port` in use, or workers that
 disagree (model, block size, block-key algorithm), 1 when no decode-capable worker can be
 reached within `--worker-wait-timeout` (a worker of another `--deployment-id` is never admitted).
+Every call to a worker is mutual TLS under `--tls-dir`'s certificate, or plain text with
+`--insecure-internal` (logged as a warning).
 """
 import asyncio
 import logging
@@ -19,6 +21,7 @@ from pdserve.common.errors import ConfigError, WorkerUnavailableError
 from pdserve.common.ids import DeploymentId
 from pdserve.common.ports import check_port_free
 from pdserve.common.settings import RouterSettings, resolve_router_settings
+from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls
 from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 from pdserve.router.openai.app import create_app
 from pdserve.router.openai.access.keys import ApiKeys, load_api_keys
@@ -37,14 +40,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = resolve_router_settings(argv)
         check_port_free("--port", settings.host, settings.port)  # now, not after waiting for the workers
         api_keys = load_api_keys(settings.api_key, settings.api_keys_file) if settings.has_api_keys else None
+        tls = resolve_tls(settings.tls_dir, settings.insecure_internal)
         tokenizer = load_tokenizer(settings.model, settings.cache_dir)
     except ConfigError as err:
         print(f"pdserve router: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if tls is None:
+        _log.warning(INSECURE_WARNING)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        asyncio.run(_serve(settings, tokenizer, api_keys))
+        asyncio.run(_serve(settings, tokenizer, api_keys, tls))
     except ConfigError as err:  # workers that cannot serve together
         print(f"pdserve router: {err}", file=sys.stderr)
         return 2
@@ -61,9 +67,10 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKeys | None) -> None:
+async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKeys | None,
+                 tls: TlsConfig | None) -> None:
     """Serve HTTP until a signal stops uvicorn; the app's shutdown closes the cluster."""
-    cluster = Cluster(cluster_config(settings))
+    cluster = Cluster(cluster_config(settings, tls))
     try:
         info = await cluster.start()
         planner = Planner(cluster.pool, cluster.index, routing_config(settings), info.tokens_per_block)
@@ -92,11 +99,11 @@ def _describe_access(api_keys: ApiKeys | None, protect_metrics: bool) -> str:
     return f"/v1 needs one of {api_keys.num_keys} API key(s) of {len(api_keys.tenants)} tenant(s); {metrics}"
 
 
-def cluster_config(settings: RouterSettings) -> ClusterConfig:
+def cluster_config(settings: RouterSettings, tls: TlsConfig | None = None) -> ClusterConfig:
     deployment = DeploymentId(settings.deployment_id) if settings.deployment_id else None
     pool = PoolConfig(settings.worker_poll_interval_s, settings.worker_failure_threshold,
                       settings.worker_wait_timeout_s, deployment)
-    return ClusterConfig(settings.workers, pool, settings.rpc_timeout_s, settings.generate_timeout_s)
+    return ClusterConfig(settings.workers, pool, settings.rpc_timeout_s, settings.generate_timeout_s, tls)
 
 
 def routing_config(settings: RouterSettings) -> RoutingConfig:

@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.common.errors import PdserveError, WorkerUnavailableError
+from pdserve.common.tls import TlsConfig
 from pdserve.rpc import kv_events as convert
 from pdserve.rpc.gen import kv_events_pb2 as pb
 from pdserve.rpc.gen import kv_events_pb2_grpc
+from pdserve.rpc.tls import aio_channel
 from pdserve.rpc.worker_client import CHANNEL_OPTIONS
 
 # A snapshot names every cached block (about 40 bytes each); gRPC's 4 MiB default would cap
@@ -40,8 +42,10 @@ def _error(exc: grpc.aio.AioRpcError, address: str) -> PdserveError:
 class KvEventsClient:
     """Use from one event loop; `close()` there. The channel opens at the first call."""
 
-    def __init__(self, address: str, rpc_timeout_s: float, snapshot_timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, rpc_timeout_s: float, snapshot_timeout_s: float = 60.0,
+                 tls: TlsConfig | None = None) -> None:
         self.address = address
+        self._tls = tls
         self._rpc_timeout_s = rpc_timeout_s
         self._snapshot_timeout_s = snapshot_timeout_s
         self._channel: grpc.aio.Channel | None = None
@@ -49,7 +53,7 @@ class KvEventsClient:
 
     def _events(self) -> kv_events_pb2_grpc.KvEventsStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)
+            self._channel = aio_channel(self.address, self._tls, _OPTIONS)
             self._stub = kv_events_pb2_grpc.KvEventsStub(self._channel)
         return self._stub
 

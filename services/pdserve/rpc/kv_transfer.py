@@ -1,5 +1,5 @@
 """Protobuf conversion for the KvTransfer service (handshake and prefill orders)."""
-from pdserve.common.disagg import PrefillOrder, PrefillResult
+from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
 from pdserve.common.ids import BlockId, WorkerId
 from pdserve.rpc import convert
 from pdserve.rpc.gen import kv_transfer_pb2 as kpb
@@ -10,13 +10,14 @@ def order_to_proto(order: PrefillOrder) -> kpb.PrefillRequest:
     return kpb.PrefillRequest(
         request=convert.request_to_proto(order.request), decode_worker_id=order.decode_worker_id,
         first_block=order.first_block, dest_block_ids=list(order.dest_block_ids), timeout_s=order.timeout_s,
+        grant=order.grant,
     )
 
 
 def order_from_proto(msg: kpb.PrefillRequest) -> PrefillOrder:
     return PrefillOrder(
         convert.request_from_proto(msg.request), WorkerId(msg.decode_worker_id), msg.first_block,
-        tuple(BlockId(b) for b in msg.dest_block_ids), msg.timeout_s,
+        tuple(BlockId(b) for b in msg.dest_block_ids), msg.timeout_s, msg.grant,
     )
 
 
@@ -33,13 +34,23 @@ def result_from_proto(msg: kpb.PrefillResponse) -> PrefillResult:
     return PrefillResult(msg.first_token, logprob, msg.num_cached_tokens, msg.num_blocks, msg.num_bytes)
 
 
-def handshake(worker_id: WorkerId, metadata: bytes) -> kpb.HandshakeRequest:
-    return kpb.HandshakeRequest(worker_id=worker_id, metadata=metadata)
+def hello_to_request(hello: Hello) -> kpb.HandshakeRequest:
+    return kpb.HandshakeRequest(worker_id=hello.worker_id, metadata=hello.metadata,
+                                deployment_id=hello.deployment_id, order_key=hello.order_key)
 
 
-def handshake_reply(worker_id: WorkerId, metadata: bytes) -> kpb.HandshakeResponse:
-    return kpb.HandshakeResponse(worker_id=worker_id, metadata=metadata)
+def hello_from_request(msg: kpb.HandshakeRequest) -> Hello:
+    return Hello(WorkerId(msg.worker_id), msg.metadata, msg.deployment_id, msg.order_key)
 
 
-__all__ = ["handshake", "handshake_reply", "order_from_proto", "order_to_proto", "result_from_proto",
+def hello_to_reply(hello: Hello) -> kpb.HandshakeResponse:
+    return kpb.HandshakeResponse(worker_id=hello.worker_id, metadata=hello.metadata,
+                                 deployment_id=hello.deployment_id)
+
+
+def hello_from_reply(msg: kpb.HandshakeResponse) -> Hello:
+    return Hello(WorkerId(msg.worker_id), msg.metadata, msg.deployment_id)
+
+
+__all__ = ["hello_from_reply", "hello_from_request", "hello_to_reply", "hello_to_request", "order_from_proto", "order_to_proto", "result_from_proto",
            "result_to_proto", "rpb"]

@@ -1,29 +1,31 @@
 """A decode worker's client of one prefill worker's KvTransfer service: typed calls, typed errors."""
 import grpc
 
-from pdserve.common.disagg import PrefillOrder, PrefillResult
-from pdserve.common.ids import WorkerId
+from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
+from pdserve.common.tls import TlsConfig
 from pdserve.rpc import kv_transfer as convert
 from pdserve.rpc.gen import kv_transfer_pb2_grpc
 from pdserve.rpc.status import error_from_rpc
+from pdserve.rpc.tls import aio_channel
 
 
 class KvTransferClient:
     """One channel to the KvTransfer service at `address`; a failed call raises the typed
-    error of `rpc.status.error_from_rpc` (unreachable, deadline, or the peer's own error)."""
+    error of `rpc.status.error_from_rpc` (unreachable, deadline, or the peer's own error).
+    `tls`: mutual TLS under our certificate; None: plain text."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsConfig | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = aio_channel(address, tls)
         self._stub = kv_transfer_pb2_grpc.KvTransferStub(self._channel)
 
-    async def handshake(self, worker_id: WorkerId, metadata: bytes, timeout_s: float) -> tuple[WorkerId, bytes]:
-        """Send our transport metadata; the peer's worker id and metadata come back."""
+    async def handshake(self, hello: Hello, timeout_s: float) -> Hello:
+        """Send our hello (transport metadata, deployment, grant key); the peer's comes back."""
         try:
-            reply = await self._stub.Handshake(convert.handshake(worker_id, metadata), timeout=timeout_s)
+            reply = await self._stub.Handshake(convert.hello_to_request(hello), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, self.address, timeout_s) from exc
-        return WorkerId(reply.worker_id), reply.metadata
+        return convert.hello_from_reply(reply)
 
     async def prefill(self, order: PrefillOrder, timeout_s: float) -> PrefillResult:
         try:

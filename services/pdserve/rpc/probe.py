@@ -2,15 +2,20 @@
 import grpc
 
 from pdserve.common.ids import DeploymentId
+from pdserve.common.tls import TlsConfig
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
+from pdserve.rpc.tls import sync_channel
 
 
-def is_worker_serving(address: str, timeout_s: float, deployment_id: DeploymentId | None = None) -> bool:
+def is_worker_serving(address: str, timeout_s: float, deployment_id: DeploymentId | None = None,
+                      tls: TlsConfig | str | None = None) -> bool:
     """True if the worker at `address` answers health with SERVING within `timeout_s` and, given
     `deployment_id`, belongs to that deployment; False if it is unreachable, not serving yet,
-    another deployment's, or its engine failed."""
-    with grpc.insecure_channel(address) as channel:
+    another deployment's, or its engine failed. `tls`: our credentials (or a TLS folder, as a
+    Kubernetes probe names it) for a worker serving mutual TLS; None: plain text."""
+    credentials = TlsConfig.from_dir(tls) if isinstance(tls, str) else tls
+    with sync_channel(address, credentials) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             if stub.Health(wpb.HealthRequest(), timeout=timeout_s).status != wpb.SERVING_STATUS_SERVING:

@@ -14,6 +14,7 @@ from pdserve.common.errors import (
     OutOfBlocksError,
     OverloadedError,
     PdserveError,
+    PermissionDeniedError,
     TransferError,
     UnknownPeerError,
     UnknownRequestError,
@@ -41,6 +42,7 @@ _CODES: tuple[tuple[type[PdserveError], grpc.StatusCode], ...] = (
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (IncompatiblePeerError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownPeerError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (TransferError, grpc.StatusCode.ABORTED),
 )
 
@@ -83,6 +85,8 @@ def error_from_status(
         return UnknownPeerError(f"{address}: {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return IncompatiblePeerError(f"{address}: {details}")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDeniedError(f"{address}: {details}")
     if code == grpc.StatusCode.ABORTED:
         return TransferError(f"{address}: {details}")
     return WorkerError(f"worker {address} failed: {code.name}: {details}")

@@ -8,10 +8,12 @@ from google.protobuf.message import Message
 from pdserve.common.ids import DeploymentId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, WorkerInfo
+from pdserve.common.tls import TlsConfig
 from pdserve.rpc import convert
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
 from pdserve.rpc.status import error_from_rpc
+from pdserve.rpc.tls import aio_channel
 
 R = TypeVar("R", bound=Message)
 
@@ -31,7 +33,8 @@ class GrpcBackend:
 
     Every call has a deadline: `generate_timeout_s` for a whole `generate` stream,
     `rpc_timeout_s` for each other call. A worker that cannot be reached raises
-    `WorkerUnavailableError`; a passed deadline raises `WorkerTimeoutError`; a request the
+    `WorkerUnavailableError` (so does a worker refusing our certificate, or we its); `tls`:
+    mutual TLS under our certificate, None: plain text. A passed deadline raises `WorkerTimeoutError`; a request the
     worker refuses raises the worker's typed error (`InvalidRequestError`, ...).
 
     The channel opens at the first call, in the event loop that makes it; use one
@@ -39,9 +42,11 @@ class GrpcBackend:
     """
 
     def __init__(
-        self, address: str, *, rpc_timeout_s: float = 5.0, generate_timeout_s: float = 600.0
+        self, address: str, *, rpc_timeout_s: float = 5.0, generate_timeout_s: float = 600.0,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.address = address
+        self._tls = tls
         self._rpc_timeout_s = rpc_timeout_s
         self._generate_timeout_s = generate_timeout_s
         self._channel: grpc.aio.Channel | None = None
@@ -49,7 +54,7 @@ class GrpcBackend:
 
     def _worker(self) -> worker_pb2_grpc.WorkerStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = aio_channel(self.address, self._tls, CHANNEL_OPTIONS)
             self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         return self._stub
 

@@ -17,8 +17,10 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
@@ -26,7 +28,9 @@ from pdserve.common.ports import check_port_free
 from pdserve.serve.settings import ServeSettings, resolve_serve_settings
 from pdserve.common.settings import WorkerSettings, child_environ, to_argv
 from pdserve.common.stats import WorkerRole
+from pdserve.common.tls import INSECURE_WARNING, TlsConfig
 from pdserve.rpc.probe import is_worker_serving
+from pdserve.serve.certs import with_serve_certs
 from pdserve.serve.restarts import WorkerRestarts
 from pdserve.serve.supervisor import ChildFailedError, ChildSpec, RestartPolicy, StopRequested, Supervisor
 
@@ -58,11 +62,13 @@ def child_command(settings: ServeSettings) -> tuple[str, ...]:
     return (sys.executable, "-m", "pdserve.serve.tether", str(os.getpid()), f"{settings.shutdown_timeout_s:g}")
 
 
-def worker_spec(command: tuple[str, ...], worker: WorkerSettings, restart: RestartPolicy) -> ChildSpec:
-    """Ready once serving, as serve's own: another deployment's worker on the port is not it."""
+def worker_spec(command: tuple[str, ...], worker: WorkerSettings, restart: RestartPolicy,
+                tls: TlsConfig | None = None) -> ChildSpec:
+    """Ready once serving, as serve's own: another deployment's worker on the port is not it.
+    `tls`: the credentials serve probes with (the router's)."""
     address, deployment = worker.address, DeploymentId(worker.deployment_id) if worker.deployment_id else None
     return ChildSpec(worker_name(worker), (*command, "worker", *to_argv(worker)),
-                     lambda: is_worker_serving(address, PROBE_TIMEOUT_S, deployment),
+                     lambda: is_worker_serving(address, PROBE_TIMEOUT_S, deployment, tls),
                      child_environ(), restart)  # the worker sets its own CPU runtime defaults
 
 
@@ -74,7 +80,8 @@ def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
     command = child_command(settings)
     router = ChildSpec("router", (*command, "router", *to_argv(settings.router)),
                        lambda: is_http_healthy(url), child_environ(settings.router))
-    workers = [worker_spec(command, worker, settings.restart_policy) for worker in settings.workers]
+    tls = TlsConfig.from_dir(settings.router.tls_dir) if settings.router.tls_dir else None
+    workers = [worker_spec(command, worker, settings.restart_policy, tls) for worker in settings.workers]
     return [workers, [router]]
 
 
@@ -103,6 +110,8 @@ def topology_lines(settings: ServeSettings, serve_metrics_port: int | None) -> l
     threads = {worker.num_threads for worker in settings.workers}.pop()
     shown = "torch's default" if threads is None else str(threads)
     lines.append(f"  torch threads per worker: {shown} (--num-threads sets it)")
+    lines.append("  internal gRPC: " + ("PLAIN TEXT (--insecure-internal)" if settings.router.insecure_internal
+                                      else "mutual TLS, a throwaway authority for this launch"))
     if serve_metrics_port is not None:
         host = base_url(settings).rsplit(":", 1)[0]
         lines.append(f"  worker restarts: {host}:{serve_metrics_port}/metrics (pdserve_worker_restarts_total)")
@@ -151,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     roles = ", ".join(str(worker.role) for worker in settings.workers)
     print(f"pdserve serve: starting workers ({roles}), then the router; model loading takes a while",
           flush=True)
-    return run(child_stages(settings), ready_banner(settings, metrics_port), supervisor)
+    if settings.router.insecure_internal:
+        print(f"pdserve serve: {INSECURE_WARNING}", file=sys.stderr, flush=True)
+        return run(child_stages(settings), ready_banner(settings, metrics_port), supervisor)
+    with tempfile.TemporaryDirectory(prefix="pdserve-tls-") as folder:  # owner-only; removed at exit
+        settings = with_serve_certs(settings, Path(folder))
+        return run(child_stages(settings), ready_banner(settings, metrics_port), supervisor)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ worker that exits, the port of its restart metrics). Flags router and worker sha
 Workers take free ports unless `--worker-port` is given (then worker i listens on
 `--worker-port` + i); metrics on `--metrics-port` + i when given; prefill workers come first.
 Each launch is a deployment of its own: a fresh id unless `--deployment-id` is given, so its
-router admits only its own workers, never those of another `pdserve serve` on the host.
+router admits only its own workers, never those of another `pdserve serve` on the host. Its
+internal plane is mutual TLS under a throwaway authority of its own (`certs.py`), unless
+`--insecure-internal`.
 """
 import dataclasses
 import secrets
@@ -149,8 +151,8 @@ def new_deployment_id() -> str:
 
 def _serve_options() -> list[cv.Option]:
     options = cv.merged(
-        cv.options_of(RouterSettings, "router", skip=("workers",))
-        + cv.options_of(WorkerSettings, "worker", rename=_WORKER_FLAGS, skip=("role", "worker_id"))
+        cv.options_of(RouterSettings, "router", skip=("workers", "tls_dir"))
+        + cv.options_of(WorkerSettings, "worker", rename=_WORKER_FLAGS, skip=("role", "worker_id", "tls_dir"))
         + cv.options_of(ServeTopology, "topology")
         + cv.options_of(ServeSettings, "serve")
     )

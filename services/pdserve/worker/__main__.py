@@ -2,9 +2,13 @@
 SIGINT or SIGTERM, then drain (new requests refused saying why, running ones finish within
 `--drain-timeout` seconds, `server.py`) and exit 0.
 
+Internal gRPC is mutual TLS from `--tls-dir` (the worker's id is the identity in its
+certificate), or plain text with `--insecure-internal`, said loudly at start.
+
 The Worker service serves the role's engine behind `BoundedEngine` (at most
 `--max-waiting-requests` waiting; refused while the watchdog finds the engine thread wedged)."""
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -13,6 +17,7 @@ from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
 from pdserve.common.ports import check_port_free
 from pdserve.common.settings import WorkerSettings, apply_worker_runtime_defaults, resolve_worker_settings
+from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
 from pdserve.kvcache import KvCacheConfig
@@ -61,13 +66,27 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-async def run_worker(settings: WorkerSettings) -> None:
+def with_identity(settings: WorkerSettings) -> tuple[WorkerSettings, TlsConfig | None]:
+    """The settings with the worker id bound to the certificate's identity, and the credentials.
+    ConfigError when `--worker-id` names another identity than the certificate."""
+    tls = resolve_tls(settings.tls_dir, settings.insecure_internal)
+    if tls is None:
+        return settings, None
+    if settings.worker_id not in (None, tls.identity):
+        raise ConfigError("worker_id", settings.worker_id,
+                          f"the certificate in {settings.tls_dir} names {tls.identity!r}; a worker's id is its identity")
+    return dataclasses.replace(settings, worker_id=tls.identity), tls
+
+
+async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> None:
     """Build and start the engine and its role's parts, serve until a signal, then stop all."""
+    if tls is None:
+        log.warning(INSECURE_WARNING)
     engine = build_threaded_engine(engine_spec(settings))
     if engine.engine.runner.device.type == "cpu":
         log.info("CPU: %s", cpu_summary(engine.engine, apply_worker_runtime_defaults()))
     metrics = TransferMetrics()
-    parts = build_role(settings, engine, metrics)
+    parts = build_role(settings, engine, metrics, tls)
     if settings.metrics_port is not None:
         port = metrics.serve(settings.host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.host, port)
@@ -82,7 +101,8 @@ async def run_worker(settings: WorkerSettings) -> None:
         log.info("serving %s (role %s, deployment %s) on %s:%d", settings.model_name, settings.role,
                  settings.deployment_id or "none", settings.host, settings.port)
         await serve_until_stopped(served, settings.host, settings.port, stop, settings.drain_timeout_s,
-                                  services, DeploymentId(settings.deployment_id) if settings.deployment_id else None)
+                                  services, DeploymentId(settings.deployment_id) if settings.deployment_id else None,
+                                  tls)
     finally:
         background.cancel()
         watching.cancel()
@@ -99,11 +119,11 @@ def check_ports(settings: WorkerSettings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings = resolve_worker_settings(argv)
+        settings, tls = with_identity(resolve_worker_settings(argv))
         check_ports(settings)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        asyncio.run(run_worker(settings))
+        asyncio.run(run_worker(settings, tls))
     except ConfigError as exc:
         print(f"pdserve worker: {exc}", file=sys.stderr)
         return 2

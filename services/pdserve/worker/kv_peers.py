@@ -6,34 +6,39 @@ not dialled again for `RETRY_AFTER_S` (its requests prefill locally meanwhile). 
 the next request re-handshakes with whatever now answers at that address (it may have
 restarted), while calls already in flight on the old channel finish on it — retiring a peer
 never cancels another request's prefill (and with it, a reservation a write may still reach).
+Each connection has a fresh write-grant key (`write_grants.py`), sent in its handshake; every
+order on it carries a grant under that key. A peer of another deployment is refused.
 """
 import asyncio
 import logging
 import time
 from collections import defaultdict
 
-from pdserve.common.disagg import PrefillOrder, PrefillResult
-from pdserve.common.errors import PdserveError, WorkerUnavailableError
+from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
+from pdserve.common.errors import PdserveError, PermissionDeniedError, WorkerUnavailableError
 from pdserve.common.ids import WorkerId
+from pdserve.common.tls import TlsConfig
 from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.transfer.interface import KvTransport
+from pdserve.worker.write_grants import granted, new_order_key
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 5.0
 
 
 class PrefillPeer:
-    def __init__(self, address: str, peer_id: WorkerId, client: KvTransferClient) -> None:
+    def __init__(self, address: str, peer_id: WorkerId, client: KvTransferClient, order_key: bytes) -> None:
         self.address = address
         self.peer_id = peer_id
         self._client = client
+        self._order_key = order_key
         self._in_flight = 0
         self._retired = False
 
     async def prefill(self, order: PrefillOrder, timeout_s: float) -> PrefillResult:
         self._in_flight += 1
         try:
-            return await self._client.prefill(order, timeout_s)
+            return await self._client.prefill(granted(self._order_key, order), timeout_s)
         finally:
             self._in_flight -= 1
             if self._retired and self._in_flight == 0:
@@ -49,9 +54,12 @@ class PrefillPeer:
 class PrefillPeers:
     """Handshakes once per prefill worker address and caches the result."""
 
-    def __init__(self, transport: KvTransport, rpc_timeout_s: float = 10.0) -> None:
+    def __init__(self, transport: KvTransport, rpc_timeout_s: float = 10.0, *, deployment_id: str = "",
+                 tls: TlsConfig | None = None) -> None:
         self._transport = transport
         self._rpc_timeout_s = rpc_timeout_s
+        self._deployment_id = deployment_id
+        self._tls = tls
         self._peers: dict[str, PrefillPeer] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._retry_at: dict[str, float] = {}  # address -> when to dial it again after a failed handshake
@@ -89,13 +97,17 @@ class PrefillPeers:
             self._transport.remove_peer(peer.peer_id)
 
     async def _connect(self, address: str) -> PrefillPeer:
-        client = KvTransferClient(address)
+        client = KvTransferClient(address, self._tls)
+        order_key = new_order_key()
+        hello = Hello(self._transport.worker_id, self._transport.local_metadata(), self._deployment_id, order_key)
         try:
-            peer_id, metadata = await client.handshake(self._transport.worker_id, self._transport.local_metadata(),
-                                                       self._rpc_timeout_s)
-            await asyncio.to_thread(self._transport.add_peer, peer_id, metadata)
+            reply = await client.handshake(hello, self._rpc_timeout_s)
+            if reply.deployment_id != self._deployment_id:
+                raise PermissionDeniedError(f"{address}: prefill worker {reply.worker_id!r} belongs to deployment "
+                                            f"{reply.deployment_id!r}, not {self._deployment_id!r}")
+            await asyncio.to_thread(self._transport.add_peer, reply.worker_id, reply.metadata)
         except PdserveError:
             await client.close()
             raise
-        log.info("KV peer %s at %s connected", peer_id, address)
-        return PrefillPeer(address, peer_id, client)
+        log.info("KV peer %s at %s connected", reply.worker_id, address)
+        return PrefillPeer(address, reply.worker_id, client, order_key)

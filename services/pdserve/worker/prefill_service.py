@@ -4,7 +4,8 @@ A prefill order runs the prompt as a prefill-only request (the engine holds its 
 the first token), WRITEs the blocks the decode worker lacks into the blocks it reserved, and
 answers once every byte has landed. An order from a decode worker we have no handshake with
 (we restarted since) is refused before any compute, so the decode worker re-handshakes and
-retries. The write runs on a worker thread (NIXL's calls block for the copy; the event loop
+retries; so is an order without a valid write grant (`write_grants.py`), and a handshake from a
+worker of another deployment. The write runs on a worker thread (NIXL's calls block for the copy; the event loop
 keeps serving gRPC) and never starts after the order's deadline, so the decode worker's lease
 (longer) covers it. The held blocks are released as soon as no transfer can read them any
 more, after the reply rather than before it; a transfer that cannot be stopped leaves them to
@@ -16,12 +17,20 @@ import math
 import time
 from contextlib import aclosing
 
-from pdserve.common.disagg import PrefillOrder, PrefillResult
-from pdserve.common.errors import InvalidRequestError, PdserveError, TransferError, UnknownPeerError, WorkerError
+from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
+from pdserve.common.errors import (
+    InvalidRequestError,
+    PdserveError,
+    PermissionDeniedError,
+    TransferError,
+    UnknownPeerError,
+    WorkerError,
+)
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.transfer.interface import KvTransport
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.metrics import TransferMetrics
+from pdserve.worker.write_grants import is_granted
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +38,28 @@ log = logging.getLogger(__name__)
 class PrefillService:
     """The prefill worker's `rpc.kv_transfer_service.KvTransferHandler`."""
 
-    def __init__(self, engine: ThreadedEngine, transport: KvTransport, metrics: TransferMetrics) -> None:
+    def __init__(self, engine: ThreadedEngine, transport: KvTransport, metrics: TransferMetrics,
+                 deployment_id: str = "") -> None:
         self._engine = engine
         self._transport = transport
         self._metrics = metrics
+        self._deployment_id = deployment_id
+        self._order_keys: dict[WorkerId, bytes] = {}  # each peer's key of its write grants
         self._releases: set[asyncio.Task] = set()
 
-    async def handshake(self, peer_id: WorkerId, metadata: bytes) -> tuple[WorkerId, bytes]:
+    async def handshake(self, hello: Hello) -> Hello:
         try:
-            await asyncio.to_thread(self._transport.add_peer, peer_id, metadata)
+            if hello.deployment_id != self._deployment_id:
+                raise PermissionDeniedError(f"worker {hello.worker_id!r} belongs to deployment "
+                                            f"{hello.deployment_id!r}, not {self._deployment_id!r}")
+            if not hello.order_key:
+                raise PermissionDeniedError(f"worker {hello.worker_id!r} sent no write-grant key")
+            await asyncio.to_thread(self._transport.add_peer, hello.worker_id, hello.metadata)
         except PdserveError as exc:
-            log.error("refused KV peer %s: %s", peer_id, exc)
+            log.error("refused KV peer %s: %s", hello.worker_id, exc)
             raise
-        return self._transport.worker_id, self._transport.local_metadata()
+        self._order_keys[hello.worker_id] = hello.order_key
+        return Hello(self._transport.worker_id, self._transport.local_metadata(), self._deployment_id)
 
     async def prefill(self, order: PrefillOrder) -> PrefillResult:
         start = time.perf_counter()
@@ -60,6 +78,9 @@ class PrefillService:
         deadline = time.monotonic() + order.timeout_s
         if not self._transport.has_peer(order.decode_worker_id):
             raise UnknownPeerError(f"no KV handshake with decode worker {order.decode_worker_id!r}: handshake again")
+        if not is_granted(self._order_keys.get(order.decode_worker_id), order):
+            raise PermissionDeniedError(f"order for {order.request.request_id!r} carries no valid write grant of "
+                                        f"{order.decode_worker_id!r}")
         first = await self._first_output(order)
         request_id = order.request.request_id
         transfer: asyncio.Future | None = None

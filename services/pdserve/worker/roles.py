@@ -17,6 +17,7 @@ from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.ids import WorkerId
 from pdserve.common.settings import WorkerSettings
 from pdserve.common.stats import WorkerRole
+from pdserve.common.tls import TlsConfig
 from pdserve.rpc.kv_transfer_service import add_kv_transfer_service
 from pdserve.transfer.interface import KvTransport
 from pdserve.transfer.layout import KvLayoutSpec
@@ -38,14 +39,17 @@ class RoleParts:
     peers: PrefillPeers | None = None
 
 
-def build_role(settings: WorkerSettings, threaded: ThreadedEngine, metrics: TransferMetrics) -> RoleParts:
+def build_role(settings: WorkerSettings, threaded: ThreadedEngine, metrics: TransferMetrics,
+               tls: TlsConfig | None = None) -> RoleParts:
+    """The role's parts; `tls` (our credentials, None: plain text) for calls to prefill workers."""
     if settings.role == WorkerRole.BOTH:
         return RoleParts(threaded)
     transport = make_transport(settings, threaded)
+    deployment = settings.deployment_id or ""
     if settings.role == WorkerRole.PREFILL:
-        service = PrefillService(threaded, transport, metrics)
+        service = PrefillService(threaded, transport, metrics, deployment)
         return RoleParts(threaded, [lambda s: add_kv_transfer_service(s, service)], transport)
-    peers = PrefillPeers(transport)
+    peers = PrefillPeers(transport, deployment_id=deployment, tls=tls)
     config = DisaggConfig(WorkerId(settings.peer_name), settings.disagg_min_prefill_tokens,
                           settings.kv_transfer_timeout_s,
                           recompute_on_failure=settings.kv_transfer_failure == "recompute")

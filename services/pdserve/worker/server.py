@@ -9,6 +9,8 @@ import grpc
 from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
+from pdserve.common.tls import TlsConfig
+from pdserve.rpc.tls import add_port
 from pdserve.rpc.worker_service import add_worker_service
 from pdserve.worker.drain import DrainGate
 
@@ -28,7 +30,8 @@ SERVER_OPTIONS = (
 
 
 class WorkerServer:
-    """Serves `engine` over gRPC on `host:port` (port 0: any free port).
+    """Serves `engine` over gRPC on `host:port` (port 0: any free port); with `tls`, only to
+    callers presenting a certificate of the same authority (mutual TLS), else in plain text.
 
     Lifecycle: `start()` once, then `stop(grace_s)` once. `stop` refuses new calls at once,
     waits up to `grace_s` for running ones, then cancels the rest (each cancelled call
@@ -37,8 +40,9 @@ class WorkerServer:
 
     def __init__(self, engine: AsyncEngine, host: str, port: int,
                  services: Sequence[Callable[[grpc.aio.Server], None]] = (),
-                 deployment_id: DeploymentId | None = None) -> None:
+                 deployment_id: DeploymentId | None = None, tls: TlsConfig | None = None) -> None:
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._tls = tls
         add_worker_service(self._server, engine, deployment_id)
         for add_service in services:  # e.g. the KvTransfer service of a prefill worker
             add_service(self._server)
@@ -48,14 +52,15 @@ class WorkerServer:
     async def start(self) -> int:
         """Listen and serve; returns the bound port. Raises ConfigError if it cannot bind."""
         try:
-            port = self._server.add_insecure_port(self._address)
+            port = add_port(self._server, self._address, self._tls)
         except RuntimeError as exc:
             raise ConfigError("port", self._address, f"cannot listen: {exc}") from exc
         if port == 0:
             raise ConfigError("port", self._address, "cannot listen (address in use?)")
         await self._server.start()
         self.port = port
-        log.info("worker serving gRPC on %s (port %d)", self._address, port)
+        log.info("worker serving gRPC on %s (port %d, %s)", self._address, port,
+                 "plain text" if self._tls is None else f"mutual TLS as {self._tls.identity!r}")
         return port
 
     async def stop(self, grace_s: float) -> None:
@@ -66,12 +71,13 @@ class WorkerServer:
 async def serve_until_stopped(
     engine: AsyncEngine, host: str, port: int, stop: asyncio.Event, grace_s: float,
     services: Sequence[Callable[[grpc.aio.Server], None]] = (), deployment_id: DeploymentId | None = None,
+    tls: TlsConfig | None = None,
 ) -> None:
     """Serve `engine` until `stop` is set, then drain for at most `grace_s` seconds: new
     requests are refused at once (`DrainGate`) while the server still answers, so health says
     why and the running streams finish; then the server stops, cancelling what still runs."""
     gate = DrainGate(engine)
-    server = WorkerServer(gate, host, port, services, deployment_id)
+    server = WorkerServer(gate, host, port, services, deployment_id, tls)
     await server.start()
     remaining_s = grace_s
     try:

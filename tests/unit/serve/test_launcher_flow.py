@@ -109,6 +109,7 @@ def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> No
         "  prefill  127.0.0.1:50051  metrics port 9100",
         "  decode   127.0.0.1:50052  metrics port 9101",
         "  torch threads per worker: 1 (--num-threads sets it)",
+        "  internal gRPC: mutual TLS, a throwaway authority for this launch",
         "  worker restarts: http://127.0.0.1:9200/metrics (pdserve_worker_restarts_total)",
         "Try:",
     ]
@@ -120,10 +121,11 @@ def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> No
 def test_banner_of_one_aggregated_worker_leaves_threads_to_torch() -> None:
     settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--aggregated", "--worker-port", "50051",
                                        "--deployment-id", "shop-a"], {})
-    assert ready_banner(settings, None).splitlines()[2:6] == [
+    assert ready_banner(settings, None).splitlines()[2:7] == [
         "  router   http://127.0.0.1:8000  deployment shop-a",
         "  both     127.0.0.1:50051",
         "  torch threads per worker: torch's default (--num-threads sets it)",
+        "  internal gRPC: mutual TLS, a throwaway authority for this launch",
         "Try:",  # no restart metrics line: --serve-metrics-port ''
     ]
 

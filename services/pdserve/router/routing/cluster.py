@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pdserve.common.ids import WorkerId
 from pdserve.common.stats import ModelInfo
+from pdserve.common.tls import TlsConfig
 from pdserve.kvcache import HASH_ALGORITHM
 from pdserve.rpc.worker_client import GrpcBackend
 from pdserve.rpc.kv_events_client import KvEventsClient
@@ -29,6 +30,7 @@ class ClusterConfig:
     pool: PoolConfig = PoolConfig()
     rpc_timeout_s: float = 5.0
     generate_timeout_s: float = 3600.0
+    tls: TlsConfig | None = None  # our credentials on the internal plane; None: plain text
 
 
 class Cluster:
@@ -41,13 +43,13 @@ class Cluster:
         self.counters = RoutingCounters()
         self.pool = WorkerPool(config.addresses, connect or self._connect, config.pool, HASH_ALGORITHM)
         self.pool.listener = self
-        make_events = events or (lambda address: KvEventsClient(address, config.rpc_timeout_s))
+        make_events = events or (lambda address: KvEventsClient(address, config.rpc_timeout_s, tls=config.tls))
         self._event_sources = {WorkerId(a): make_events(a) for a in config.addresses}
         self._subscribers: dict[WorkerId, asyncio.Task] = {}
 
     def _connect(self, address: str) -> GrpcBackend:
         return GrpcBackend(address, rpc_timeout_s=self._config.rpc_timeout_s,
-                           generate_timeout_s=self._config.generate_timeout_s)
+                           generate_timeout_s=self._config.generate_timeout_s, tls=self._config.tls)
 
     async def start(self) -> ModelInfo:
         """Register the workers (see `WorkerPool.start`); the model the cluster serves."""

@@ -8,34 +8,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("worker_id", "metadata")
+    __slots__ = ("worker_id", "metadata", "deployment_id", "order_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ORDER_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     metadata: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+    deployment_id: str
+    order_key: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., metadata: _Optional[bytes] = ..., deployment_id: _Optional[str] = ..., order_key: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("worker_id", "metadata")
+    __slots__ = ("worker_id", "metadata", "deployment_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     metadata: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+    deployment_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., metadata: _Optional[bytes] = ..., deployment_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "decode_worker_id", "first_block", "dest_block_ids", "timeout_s")
+    __slots__ = ("request", "decode_worker_id", "first_block", "dest_block_ids", "timeout_s", "grant")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     request: _request_pb2.GenerateRequest
     decode_worker_id: str
     first_block: int
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
     timeout_s: float
-    def __init__(self, request: _Optional[_Union[_request_pb2.GenerateRequest, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., first_block: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    grant: bytes
+    def __init__(self, request: _Optional[_Union[_request_pb2.GenerateRequest, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., first_block: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "logprob", "num_cached_tokens", "num_blocks", "num_bytes")

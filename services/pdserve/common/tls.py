@@ -1,0 +1,58 @@
+"""A process's credentials on the internal gRPC plane (mutual TLS), read from a TLS folder.
+
+Every gRPC server requires a client certificate signed by the same authority, and every
+client presents its own: a caller without one gets no answer at all. The identity in a
+certificate is the process's name on the plane (a worker's id, or "router").
+"""
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.common import pki
+from pdserve.common.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """PEM bytes of the authority to trust and of this process's certificate and key."""
+
+    ca_cert: bytes = field(repr=False)
+    cert: bytes = field(repr=False)
+    key: bytes = field(repr=False)
+    identity: str
+
+    @classmethod
+    def from_dir(cls, folder: str, setting: str = "--tls-dir") -> "TlsConfig":
+        """Read `ca.crt`, `tls.crt` and `tls.key` from `folder`; ConfigError naming `setting`
+        when one is missing or unreadable or the certificate names no identity."""
+        path = Path(folder)
+        try:
+            ca_cert, cert, key = ((path / name).read_bytes() for name in (pki.CA_CERT, pki.CERT, pki.KEY))
+        except OSError as exc:
+            raise ConfigError(setting, folder, f"needs {pki.CA_CERT}, {pki.CERT} and {pki.KEY}: {exc}") from None
+        try:
+            identity = pki.identity_of(cert)
+        except ValueError as exc:
+            raise ConfigError(setting, folder, f"{pki.CERT}: {exc}") from None
+        return cls(ca_cert, cert, key, identity)
+
+    @classmethod
+    def from_issued(cls, issued: pki.Issued) -> "TlsConfig":
+        return cls(issued.ca_cert, issued.cert, issued.key, pki.identity_of(issued.cert))
+
+
+def resolve_tls(tls_dir: str | None, insecure_internal: bool, setting: str = "--tls-dir") -> TlsConfig | None:
+    """The TLS credentials settings ask for; None for plain text, which must be asked for
+    explicitly. ConfigError when neither or both are given."""
+    if insecure_internal:
+        if tls_dir:
+            raise ConfigError(setting, tls_dir, "cannot be combined with --insecure-internal")
+        return None
+    if not tls_dir:
+        raise ConfigError(setting, tls_dir, "the internal gRPC plane needs mutual TLS: give --tls-dir (a folder "
+                                            "with ca.crt, tls.crt and tls.key; `pdserve certs` makes them) or "
+                                            "--insecure-internal for plain text")
+    return TlsConfig.from_dir(tls_dir, setting)
+
+
+INSECURE_WARNING = ("INSECURE: the internal gRPC plane runs in plain text (--insecure-internal): anyone who can "
+                    "reach this process's gRPC port can read and write its KV cache")

@@ -1,0 +1,77 @@
+"""Certificates for the internal plane: a throwaway set per `pdserve serve` launch, and
+`pdserve certs` for deployments (docker-compose's generator service, a Kubernetes Secret).
+
+`pdserve certs --out DIR --identity NAME[=HOST,...] ...` writes the authority (`DIR/ca.crt`,
+`DIR/ca.key`) and one TLS folder per identity (`DIR/NAME/{ca.crt,tls.crt,tls.key}`), each
+certificate valid for its hosts and loopback. Run again on the same DIR, it keeps the authority
+and replaces the named identities' certificates (rotation without a change of trust); a new
+DIR is a new authority (rotate it by restarting every process with the new folders).
+"""
+import argparse
+import dataclasses
+import re
+import socket
+import sys
+from pathlib import Path
+
+from pdserve.common import pki
+from pdserve.common.settings import WorkerSettings
+from pdserve.serve.settings import ServeSettings
+
+ROUTER_IDENTITY = "router"
+_IDENTITY = re.compile(r"^[A-Za-z0-9@:._-]{1,64}$")
+
+
+def with_serve_certs(settings: ServeSettings, folder: Path) -> ServeSettings:
+    """`settings` with a TLS folder under `folder` for the router and each worker, issued by a
+    fresh authority whose key is never written (nothing else can join this launch). A worker's
+    identity is its worker id."""
+    authority = pki.Authority.create(f"pdserve serve {settings.router.deployment_id}")
+    router_hosts = (_dialled_host(settings.router.host),)
+    router = dataclasses.replace(
+        settings.router, tls_dir=str(authority.issue(ROUTER_IDENTITY, router_hosts).write(folder / ROUTER_IDENTITY)))
+    workers = tuple(_with_cert(authority, worker, folder / f"worker-{i}") for i, worker in enumerate(settings.workers))
+    return dataclasses.replace(settings, router=router, workers=workers)
+
+
+def _with_cert(authority: pki.Authority, worker: WorkerSettings, folder: Path) -> WorkerSettings:
+    issued = authority.issue(worker.peer_name, (_dialled_host(worker.host),))
+    return dataclasses.replace(worker, tls_dir=str(issued.write(folder)), worker_id=worker.peer_name)
+
+
+def _dialled_host(host: str) -> str:
+    """The name others dial a process listening on `host` by."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
+def _identity(spec: str) -> tuple[str, tuple[str, ...]]:
+    """"decode-0=decode,10.0.0.7" -> ("decode-0", ("decode", "10.0.0.7"))."""
+    name, _, hosts = spec.partition("=")
+    if not _IDENTITY.match(name):
+        raise argparse.ArgumentTypeError(f"{name!r}: an identity is 1-64 of A-Z a-z 0-9 @ : . _ -")
+    return name, tuple(h for h in hosts.split(",") if h)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve certs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder of the authority and the identities' TLS folders")
+    parser.add_argument("--identity", action="append", type=_identity, required=True, metavar="NAME[=HOST,...]",
+                        help="a process's identity (a worker's id, or 'router') and the hosts it is dialled at")
+    parser.add_argument("--days", type=int, default=pki.DEFAULT_VALID_DAYS, help="validity of new certificates")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if (out / pki.CA_KEY).exists():
+        authority = pki.Authority.load(out)
+        print(f"pdserve certs: using the authority in {out}")
+    else:
+        authority = pki.Authority.create(f"pdserve {out.resolve().name}", args.days)
+        authority.save(out)
+        print(f"pdserve certs: new authority in {out} (keep {out / pki.CA_KEY} secret)")
+    for name, hosts in args.identity:
+        folder = authority.issue(name, hosts, args.days).write(out / name)
+        print(f"pdserve certs: {name} -> {folder} (hosts: {', '.join(hosts) or 'loopback only'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

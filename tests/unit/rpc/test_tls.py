@@ -1,0 +1,122 @@
+"""Mutual TLS on real gRPC servers in one process: a worker answers only callers with a
+certificate of its authority, and the KvTransfer service lets a caller speak only for the
+identity in its certificate."""
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.common import pki
+from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
+from pdserve.common.errors import PermissionDeniedError, WorkerUnavailableError
+from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.request import GenerationRequest, SamplingParams
+from pdserve.common.tls import TlsConfig
+from pdserve.rpc.kv_transfer_client import KvTransferClient
+from pdserve.rpc.kv_transfer_service import add_kv_transfer_service
+from pdserve.rpc.probe import is_worker_serving
+from pdserve.rpc.tls import add_port
+from pdserve.rpc.worker_client import GrpcBackend
+from pdserve.worker.server import WorkerServer
+from tests.unit.worker.fake_engine import FakeEngine
+
+AUTHORITY = pki.Authority.create("test")
+STRANGER = pki.Authority.create("another deployment")
+
+
+def tls(identity: str, authority: pki.Authority = AUTHORITY) -> TlsConfig:
+    return TlsConfig.from_issued(authority.issue(identity))
+
+
+def test_a_worker_answers_only_callers_with_a_certificate_of_its_authority(tmp_path) -> None:
+    AUTHORITY.issue("router").write(tmp_path)
+
+    async def scenario() -> list[object]:
+        server = WorkerServer(FakeEngine(), "127.0.0.1", 0, tls=tls("decode-0"))
+        address = f"127.0.0.1:{await server.start()}"
+        answers: list[object] = []
+        try:
+            for credentials in (None, tls("router", STRANGER), tls("router")):
+                backend = GrpcBackend(address, rpc_timeout_s=5.0, tls=credentials)
+                try:
+                    answers.append((await backend.info()).model.model_name)
+                except WorkerUnavailableError as exc:
+                    answers.append(type(exc))
+                finally:
+                    await backend.close()
+            answers.append(await asyncio.to_thread(is_worker_serving, address, 5.0, None, str(tmp_path)))
+            answers.append(await asyncio.to_thread(is_worker_serving, address, 5.0))  # plain text
+        finally:
+            await server.stop(0)
+        return answers
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == [
+        WorkerUnavailableError, WorkerUnavailableError, "tiny-llama", True, False]
+
+
+class RecordingHandler:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def handshake(self, hello: Hello) -> Hello:
+        self.calls.append(f"handshake {hello.worker_id}")
+        return Hello(WorkerId("prefill-0"), b"meta")
+
+    async def prefill(self, order: PrefillOrder) -> PrefillResult:
+        self.calls.append(f"prefill for {order.decode_worker_id}")
+        return PrefillResult(1, None, 0, 0, 0)
+
+
+def order_for(decode_worker_id: str) -> PrefillOrder:
+    request = GenerationRequest(RequestId("r"), (1, 2, 3), SamplingParams(max_tokens=1))
+    return PrefillOrder(request, WorkerId(decode_worker_id), 0, (), 5.0)
+
+
+def test_a_caller_speaks_only_for_the_identity_in_its_certificate() -> None:
+    async def scenario() -> tuple[list[object], list[str]]:
+        handler = RecordingHandler()
+        server = grpc.aio.server()
+        add_kv_transfer_service(server, handler)
+        port = add_port(server, "127.0.0.1:0", tls("prefill-0"))
+        await server.start()
+        outcomes: list[object] = []
+        try:
+            for caller, claimed in (("mallory", "decode-0"), ("mallory", "mallory"), ("decode-0", "decode-0")):
+                client = KvTransferClient(f"127.0.0.1:{port}", tls(caller))
+                for call in (client.handshake(Hello(WorkerId(claimed), b"m"), 5.0),
+                             client.prefill(order_for(claimed), 5.0)):
+                    try:
+                        await call
+                        outcomes.append("ok")
+                    except PermissionDeniedError as exc:
+                        outcomes.append(str(exc).split(": ", 1)[1])
+                await client.close()
+        finally:
+            await server.stop(0)
+        return outcomes, handler.calls
+
+    outcomes, calls = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert outcomes == ["a caller with identity 'mallory' may not handshake as 'decode-0'",
+                        "a caller with identity 'mallory' may not order writes into the blocks of 'decode-0'",
+                        "ok", "ok", "ok", "ok"]
+    assert calls == ["handshake mallory", "prefill for mallory", "handshake decode-0", "prefill for decode-0"]
+
+
+@pytest.mark.parametrize("who", ["plain text", "another authority"])
+def test_the_kv_transfer_service_refuses_a_caller_without_a_certificate_of_its_authority(who: str) -> None:
+    async def scenario() -> list[str]:
+        handler = RecordingHandler()
+        server = grpc.aio.server()
+        add_kv_transfer_service(server, handler)
+        port = add_port(server, "127.0.0.1:0", tls("prefill-0"))
+        await server.start()
+        client = KvTransferClient(f"127.0.0.1:{port}", None if who == "plain text" else tls("decode-0", STRANGER))
+        try:
+            with pytest.raises(WorkerUnavailableError):
+                await client.handshake(Hello(WorkerId("decode-0"), b"m"), 5.0)
+        finally:
+            await client.close()
+            await server.stop(0)
+        return handler.calls
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == []

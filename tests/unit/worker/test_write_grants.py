@@ -1,0 +1,94 @@
+"""Write grants: a prefill order writes only where the decode worker that reserved the blocks
+says, and a worker of another deployment is no peer. Real engines and the real KvTransfer
+service over gRPC (the fake transport between them), as in test_disagg_failures.py."""
+import dataclasses
+
+import grpc
+import pytest
+
+from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
+from pdserve.common.errors import PermissionDeniedError
+from pdserve.common.ids import BlockId, RequestId, WorkerId
+from pdserve.common.request import GenerationRequest, SamplingParams
+from pdserve.rpc.kv_transfer_client import KvTransferClient
+from pdserve.rpc.kv_transfer_service import add_kv_transfer_service
+from pdserve.worker.kv_peers import PrefillPeers
+from pdserve.worker.write_grants import grant_of, granted, is_granted, new_order_key
+from tests.unit.worker.test_disagg_failures import _collect, _request, _run, _until, checkpoint  # noqa: F401
+
+KEY = new_order_key()
+ORDER = PrefillOrder(GenerationRequest(RequestId("r"), (1, 2, 3), SamplingParams(max_tokens=1)),
+                     WorkerId("decode-0"), 1, (BlockId(7), BlockId(9)), 5.0)
+
+
+@pytest.mark.parametrize("change", [
+    {"decode_worker_id": WorkerId("decode-1")}, {"first_block": 0}, {"dest_block_ids": (BlockId(7), BlockId(8))},
+    {"timeout_s": 50.0}, {"request": dataclasses.replace(ORDER.request, request_id=RequestId("s"))},
+])
+def test_a_grant_covers_the_request_the_worker_the_blocks_and_the_deadline(change: dict) -> None:
+    order = granted(KEY, ORDER)
+    assert is_granted(KEY, order)
+    assert not is_granted(KEY, dataclasses.replace(order, **change))
+    assert not is_granted(new_order_key(), order) and not is_granted(None, order)
+    assert grant_of(KEY, ORDER) == order.grant and len(order.grant) == 32
+
+
+def test_an_order_without_a_valid_grant_computes_and_writes_nothing(checkpoint):
+    async def body(pair, address):
+        await _collect(pair.decode.generate(_request("a"), address))  # the decode worker's handshake
+        assert await _until(lambda: pair.used() == (0, 0))
+        cached, writes = len(pair.p.engine.kv.pool.cached), len(pair.tp.posted)
+        prompt = tuple(range(7, 40))
+        forged = PrefillOrder(GenerationRequest(RequestId("forged"), prompt, SamplingParams(max_tokens=1)),
+                              WorkerId("d"), 0, tuple(BlockId(b) for b in range(9)), 5.0)
+        client = KvTransferClient(address)
+        try:
+            for order in (forged, granted(new_order_key(), forged)):  # no grant; a grant under another key
+                with pytest.raises(PermissionDeniedError, match="carries no valid write grant of 'd'"):
+                    await client.prefill(order, 5.0)
+        finally:
+            await client.close()
+        assert (len(pair.p.engine.kv.pool.cached), len(pair.tp.posted)) == (cached, writes)
+        assert pair.used() == (0, 0)
+        assert pair.metrics.failures.labels("received")._value.get() == 0
+
+    _run(checkpoint, body)
+
+
+def test_a_decode_worker_of_another_deployment_is_refused_at_the_handshake(checkpoint):
+    async def body(pair, address):
+        peers = PrefillPeers(pair.td, deployment_id="shop-b")
+        with pytest.raises(PermissionDeniedError, match="belongs to deployment 'shop-b', not ''"):
+            await peers.get(address)
+        assert not pair.tp.has_peer(WorkerId("d"))
+        await peers.close()
+
+    _run(checkpoint, body)
+
+
+class OtherDeployment:
+    """A prefill worker that accepts anyone but belongs to deployment shop-b."""
+
+    async def handshake(self, hello: Hello) -> Hello:
+        return Hello(WorkerId("p"), b"meta", "shop-b")
+
+    async def prefill(self, order: PrefillOrder) -> PrefillResult:
+        raise AssertionError("never ordered")
+
+
+def test_a_decode_worker_does_not_handshake_with_a_prefill_worker_of_another_deployment(checkpoint):
+    async def body(pair, address):
+        server = grpc.aio.server()
+        add_kv_transfer_service(server, OtherDeployment())
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        peers = PrefillPeers(pair.td, deployment_id="shop-a")
+        try:
+            with pytest.raises(PermissionDeniedError, match="belongs to deployment 'shop-b', not 'shop-a'"):
+                await peers.get(f"127.0.0.1:{port}")
+            assert not pair.td.has_peer(WorkerId("p"))
+        finally:
+            await peers.close()
+            await server.stop(0)
+
+    _run(checkpoint, body)

@@ -1,7 +1,9 @@
 """`KvTransfer.Prefill` past the handshake: this test process is a decode worker's NIXL peer (its own
 KV tensor, a real handshake), then orders the prefill worker to write out-of-range, mismatched and
-random block lists into it. Every order ends within its deadline with a status; a refused order
-writes nothing, and afterwards the prefill worker holds no blocks and still serves correctly."""
+random block lists into it (each with a valid write grant, so it reaches the block checks; one
+without a valid grant must be refused first). Every order ends within its deadline with a status;
+a refused order writes nothing, and afterwards the prefill worker holds no blocks and still
+serves correctly."""
 import dataclasses
 import math
 import threading
@@ -14,10 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.common.ids import WorkerId
+from pdserve.rpc import kv_transfer as convert
 from pdserve.rpc.gen import kv_transfer_pb2, kv_transfer_pb2_grpc, request_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.rpc.status import MAX_DETAILS_CHARS
 from pdserve.transfer.handshake import PeerMetadata
 from pdserve.transfer.layout import KvLayoutSpec
+from pdserve.worker.write_grants import grant_of, new_order_key
 from tests.fuzz.worker_calls import FuzzStack, assert_worker_sound
 
 pytestmark = pytest.mark.integration
@@ -26,6 +30,7 @@ NUM_PEER_BLOCKS = 16
 CALL_TIMEOUT_S = 30.0
 U32 = 2**32 - 1
 MAX_EXAMPLES = 50
+ORDER_KEY = new_order_key()  # sent in our handshake; every order below carries a grant under it
 
 
 @dataclasses.dataclass
@@ -61,7 +66,8 @@ def decode_peer(fuzz_stack: FuzzStack, prefill_stub: kv_transfer_pb2_grpc.KvTran
     thread.start()
     try:
         metadata = transport.local_metadata()
-        prefill_stub.Handshake(kv_transfer_pb2.HandshakeRequest(worker_id=PEER, metadata=metadata), timeout=30)
+        prefill_stub.Handshake(kv_transfer_pb2.HandshakeRequest(worker_id=PEER, metadata=metadata,
+                                                                order_key=ORDER_KEY), timeout=30)
         yield DecodePeer(kv, info.tokens_per_block, metadata)
     finally:
         stop.set()
@@ -74,8 +80,10 @@ def order(request_id: str, num_tokens: int, dest_block_ids: list[int], first_blo
     request = request_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=[(7 * i) % 40000 + 100 for i in range(num_tokens)],
         sampling=request_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, n=1))
-    return kv_transfer_pb2.PrefillRequest(request=request, decode_worker_id=PEER, first_block=first_block,
-                                          dest_block_ids=dest_block_ids, timeout_s=timeout_s)
+    message = kv_transfer_pb2.PrefillRequest(request=request, decode_worker_id=PEER, first_block=first_block,
+                                             dest_block_ids=dest_block_ids, timeout_s=timeout_s)
+    message.grant = grant_of(ORDER_KEY, convert.order_from_proto(message))
+    return message
 
 
 def call_prefill(stub: kv_transfer_pb2_grpc.KvTransferStub,
@@ -94,6 +102,21 @@ def test_a_well_formed_order_writes_the_peers_blocks(prefill_stub, decode_peer: 
     written = [i for i in range(NUM_PEER_BLOCKS) if decode_peer.kv[i].abs().sum() > 0]
     assert written == [5, 6]
     decode_peer.kv.zero_()
+
+
+@pytest.mark.parametrize("grant", [b"", b"x" * 32, "another key", "other blocks"])
+def test_an_order_without_a_valid_grant_is_refused_and_writes_nothing(prefill_stub, decode_peer: DecodePeer,
+                                                                     grant: bytes | str) -> None:
+    message = order("ungranted", 3 * decode_peer.tokens_per_block, [5, 6])
+    if grant == "another key":
+        message.grant = grant_of(new_order_key(), convert.order_from_proto(message))
+    elif grant == "other blocks":
+        message.dest_block_ids[:] = [7, 8]  # the grant was for 5 and 6
+    else:
+        message.grant = grant
+    assert call_prefill(prefill_stub, message) == (
+        grpc.StatusCode.PERMISSION_DENIED, "order for 'ungranted' carries no valid write grant of 'fuzz-decode'")
+    assert int(torch.count_nonzero(decode_peer.kv)) == 0
 
 
 @pytest.mark.parametrize(("first_block", "dest_block_ids", "code"), [
@@ -140,7 +163,7 @@ def test_a_peer_claiming_more_blocks_than_it_registered_is_written_nowhere_else(
     writing past the registered tensor fails; either way the worker carries on."""
     decode_peer.kv.zero_()  # the random orders above wrote some blocks
     claimed = dataclasses.replace(PeerMetadata.decode(decode_peer.metadata), num_blocks=1000)
-    hostile = kv_transfer_pb2.HandshakeRequest(worker_id=PEER, metadata=claimed.encode())
+    hostile = kv_transfer_pb2.HandshakeRequest(worker_id=PEER, metadata=claimed.encode(), order_key=ORDER_KEY)
     try:
         prefill_stub.Handshake(hostile, timeout=CALL_TIMEOUT_S)
     except grpc.RpcError as err:

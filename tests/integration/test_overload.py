@@ -61,7 +61,7 @@ def stack(checkpoint: str, logs: Path, worker_flags: list[str], router_flags: li
     worker = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.stalling_worker", str(stall), "--role", "both", "--port",
          str(worker_port), "--model", checkpoint, "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-         "--max-kv-tokens", "4096", "--block-size", "16", "--num-threads", "1", *worker_flags],
+         "--max-kv-tokens", "4096", "--block-size", "16", "--num-threads", "1", "--insecure-internal", *worker_flags],
         cwd=REPO, stdout=open(logs / "worker.log", "wb"), stderr=subprocess.STDOUT)
     router = None
     try:

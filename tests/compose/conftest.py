@@ -1,5 +1,6 @@
 """Fixtures of the compose test: a Docker engine, the demo's images, the demo itself, and the
 same prompts answered by `pdserve serve --aggregated` on the host."""
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -63,7 +64,8 @@ def demo(docker_host: DockerHost, demo_images: dict[str, str]):
             yield demo
         finally:
             if demo.is_up:
-                print(demo.logs("decode")[-3000:])
+                with contextlib.suppress(RuntimeError):  # no decode container when `up` failed early
+                    print(demo.logs("decode")[-3000:])
                 demo.down()
 
 

@@ -13,7 +13,7 @@ from tests.integration.stack import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-PDSERVE_SERVICES = ("router", "prefill", "decode")
+PDSERVE_SERVICES = ("certs", "router", "prefill", "decode")  # all run the pdserve image
 PROJECT_PREFIX = "pdservetest"
 READY_TIMEOUT_S = 300.0
 METRICS_SNIPPET = ("import urllib.request; "
@@ -55,8 +55,9 @@ class Demo:
                    "the router answers /v1/models")
 
     def down(self) -> None:
+        """Containers, network and the certificates' volume (`down -v`, as the README says)."""
         self.is_up = False
-        self.compose("down")
+        self.compose("down", "-v")
 
     def container(self, service: str) -> str:
         return self.compose("ps", "-q", service).stdout.decode().strip()

@@ -9,9 +9,13 @@ from pathlib import Path
 import yaml
 from prometheus_client import generate_latest
 
+from cryptography import x509
+
 from pdserve.common.settings import RouterSettings, WorkerSettings, resolve_router_settings, resolve_worker_settings
 from pdserve.common.stats import EngineStats, WorkerRole
+from pdserve.common.tls import TlsConfig
 from pdserve.router.openai.metrics import RouterMetrics
+from pdserve.serve.certs import main as certs_main
 from pdserve.worker.metrics import TransferMetrics
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -33,8 +37,9 @@ def load_compose() -> dict[str, dict]:
 
 
 def compose_settings() -> dict[str, WorkerSettings | RouterSettings]:
+    """The router's and workers' settings (the `certs` service is a one-shot generator)."""
     return {name: resolve([str(arg) for arg in service["command"]], service.get("environment", {}))
-            for name, service in load_compose().items() if "command" in service}
+            for name, service in load_compose().items() if "command" in service and name != "certs"}
 
 
 def load_k8s() -> list[dict]:
@@ -57,7 +62,7 @@ def k8s_settings() -> dict[str, WorkerSettings | RouterSettings]:
 
 def test_compose_has_the_five_services_on_one_network() -> None:
     services = load_compose()
-    assert sorted(services) == ["decode", "grafana", "prefill", "prometheus", "router"]
+    assert sorted(services) == ["certs", "decode", "grafana", "prefill", "prometheus", "router"]
     assert {name: service["networks"] for name, service in services.items()} == {
         name: ["pdserve"] for name in services}
 
@@ -102,7 +107,50 @@ def test_k8s_deployments_resolve_and_the_router_calls_each_worker_service() -> N
         assert isinstance(worker, WorkerSettings)
         grpc = next(p for p in services[name]["spec"]["ports"] if p["name"] == "grpc")
         assert int(called[name]) == grpc["port"]
-        assert worker.worker_id == POD_NAME
+        assert worker.worker_id is None and worker.tls_dir == "/etc/pdserve/tls"  # its id: its certificate's
+
+
+def test_each_k8s_pod_mounts_the_authority_and_only_its_own_key_from_the_generated_secret() -> None:
+    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    (generated,) = kustomization["secretGenerator"]
+    in_secret = {entry.split("=", 1)[0] for entry in generated["files"]}
+    identities = []
+    for doc in (d for d in load_k8s() if d["kind"] == "Deployment"):
+        pod = doc["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+        assert volume["secret"]["secretName"] == generated["name"] and mount["readOnly"]
+        assert container_env(container)["PDSERVE_TLS_DIR"] == mount["mountPath"]
+        items = {item["path"]: item["key"] for item in volume["secret"]["items"]}
+        assert sorted(items) == ["ca.crt", "tls.crt", "tls.key"] and items["ca.crt"] == "ca.crt"
+        identity = items["tls.crt"].removesuffix(".crt")
+        assert items["tls.key"] == f"{identity}.key" and set(items.values()) <= in_secret
+        assert pod["securityContext"]["fsGroup"] == 1000  # the image's user reads the 0440 key
+        identities.append(identity)
+    assert sorted(identities) == ["decode-0", "prefill-0", "router"]
+    assert in_secret == {"ca.crt", *(f"{i}.{ext}" for i in identities for ext in ("crt", "key"))}
+
+
+def test_the_compose_certs_service_makes_each_identity_valid_at_the_name_it_is_dialled_by(tmp_path: Path) -> None:
+    services, settings = load_compose(), compose_settings()
+    argv = [str(a) for a in services["certs"]["command"]]
+    assert argv[0] == "certs" and argv[argv.index("--out") + 1] == "/etc/pdserve/tls"
+    argv[argv.index("--out") + 1] = str(tmp_path)
+    assert certs_main(argv[1:]) == 0
+    router = settings["router"]
+    dialled = {address.split(":")[0] for address in router.workers}
+    identities = {}
+    for name in ("router", "prefill", "decode"):
+        folder = tmp_path / Path(settings[name].tls_dir).relative_to("/etc/pdserve/tls")
+        tls = TlsConfig.from_dir(str(folder))
+        names = x509.load_pem_x509_certificate(tls.cert).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        assert name in names and (name == "router" or name in dialled)
+        identities[name] = tls.identity
+        assert services[name]["volumes"] == ["tls:/etc/pdserve/tls:ro"]
+        assert services[name]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+    assert len(set(identities.values())) == 3 and identities["router"] == "router"
 
 
 def test_k8s_services_select_their_deployments_pods() -> None:

@@ -89,6 +89,8 @@ class Authority:
         names) and for calling others: both server and client authentication."""
         if not identity or len(identity) > 64:
             raise ValueError(f"identity {identity!r}: must be 1 to 64 characters")
+        if identity == identity_of(self.cert_pem):  # would read as self-signed, and fail verification
+            raise ValueError(f"identity {identity!r}: the authority's own name")
         key = ec.generate_private_key(ec.SECP256R1())
         names = [_alt_name(host) for host in dict.fromkeys((*hosts, *LOCAL_HOSTS)) if host]
         now = _now()

@@ -43,9 +43,10 @@ def test_an_authority_saved_and_loaded_keeps_issuing_under_the_same_trust(tmp_pa
     x509.load_pem_x509_certificate(again.issue("prefill-1").cert).verify_directly_issued_by(authority.cert)
 
 
-@pytest.mark.parametrize("identity", ["", "x" * 65])
-def test_an_identity_must_be_1_to_64_characters(identity: str) -> None:
-    with pytest.raises(ValueError, match="1 to 64"):
+@pytest.mark.parametrize(("identity", "why"), [("", "1 to 64"), ("x" * 65, "1 to 64"),
+                                               ("test", "the authority's own name")])
+def test_an_identity_must_be_1_to_64_characters_and_not_the_authority(identity: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
         pki.Authority.create("test").issue(identity)
 
 

@@ -86,6 +86,13 @@ class WorkerSettings:
     kv_cache_memory: int | None = opt(None, parse=cv.optional(cv.parse_bytes),
                                       help="KV cache bytes, e.g. 512MiB")
     max_kv_tokens: int | None = opt(None, parse=cv.optional(cv.parse_int), help="KV cache size in tokens")
+    host_cache_size: int = opt(0, parse=cv.parse_bytes,
+                               help="bytes of host memory for KV blocks evicted from the device, e.g. 4GiB "
+                                    "(a second tier: a prefix hit there is copied back, not recomputed; 0: none)")
+    secondary_offload_min_priority: int = opt(35, parse=cv.parse_int,
+                                              help="blocks evicted with a retention priority at or above this "
+                                                   "move down to the host tier; lower ones are dropped "
+                                                   "(default 35: default-priority blocks move down)")
     gpu_memory_utilization: float = opt(0.9, parse=cv.parse_float,
                                         help="fraction of free device memory (RAM on CPU) for the KV cache")
     num_threads: int | None = opt(None, parse=cv.optional(cv.parse_int), help="torch CPU threads")
@@ -132,6 +139,9 @@ class WorkerSettings:
         check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size,
                "must be a power of two")
         check(0 <= self.port < 65536, "port", self.port, "must be in 0..65535")
+        check(self.host_cache_size >= 0, "host_cache_size", self.host_cache_size, "must be >= 0")
+        check(0 <= self.secondary_offload_min_priority <= 100, "secondary_offload_min_priority",
+              self.secondary_offload_min_priority, "must be in 0..100")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
         check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",

@@ -7,6 +7,11 @@ A sequence's blocks, by token position:
 Blocks become reusable (published under their block key) only once full and computed: a block
 published before its KV is written would poison the cache. A request's published blocks always
 have their cached ancestors among its own blocks, so every cached-free block is evictable in turn.
+
+With a host tier (`num_host_blocks` > 0), a prefix continues past the device's blocks into the
+host tier's: those blocks are cached tokens too. Phase 2 of the claim gives each a device block,
+published at once, and queues its copy back (`drain_tier_moves`: the engine makes the copies,
+in order, before any forward or transfer reads the blocks).
 """
 import math
 import time
@@ -21,6 +26,7 @@ from pdserve.kvcache.block import KvBlock, Tier
 from pdserve.kvcache.block_key import hash_request_blocks
 from pdserve.kvcache.config import KvCacheConfig
 from pdserve.kvcache.events import EventBuffer, KvEvent
+from pdserve.kvcache.host_tier import HostTier, MoveKind, TierMove
 from pdserve.kvcache.integrity import IntegrityError, check_pool_integrity
 from pdserve.kvcache.pool import BlockPool
 from pdserve.kvcache.request import CacheRequest
@@ -35,7 +41,8 @@ class PrefixAnalysis:
     num_cached_blocks: int
     num_cached_tokens: int
     num_cached_by_tier: tuple[int, ...]  # indexed by Tier
-    num_new_blocks: int  # blocks the claim must still allocate
+    num_onboard_blocks: int  # cached blocks in a lower tier: each needs a device block and a copy
+    num_new_blocks: int  # blocks the claim must still allocate (onboarded ones included)
     num_available_blocks: int  # free or evictable, not counting this request's matches
     fits: bool
 
@@ -60,13 +67,19 @@ class _Sequence:
 class KvCacheManager:
     """Paged KV bookkeeping: prefix matching, the two-phase claim, growth, publishing, eviction."""
 
-    def __init__(self, config: KvCacheConfig, num_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: KvCacheConfig, num_blocks: int, clock: Callable[[], float] = time.monotonic,
+                 num_host_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise InvalidRequestError(f"num_blocks={num_blocks}: need at least one block", "num_blocks")
+        if num_host_blocks < 0:
+            raise InvalidRequestError(f"num_host_blocks={num_host_blocks}: must be >= 0", "num_host_blocks")
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         self.events = EventBuffer(config.event_buffer_max_size)
-        self.pool = BlockPool(num_blocks, self.events, config.eviction_policy == "priority", clock)
+        self.host = HostTier(num_host_blocks, config.secondary_offload_min_priority) if num_host_blocks else None
+        self.pool = BlockPool(num_blocks, self.events, config.eviction_policy == "priority", clock, self.host)
+        self.num_offloaded_blocks = 0
+        self.num_onboarded_blocks = 0
         self._clock = clock
         self._seqs: dict[RequestId, _Sequence] = {}
         self.num_query_tokens = 0
@@ -96,9 +109,20 @@ class KvCacheManager:
     def num_computed_tokens(self, request_id: RequestId) -> int:
         return self._get(request_id).num_computed_tokens
 
-    def cached_block_hashes(self) -> list[BlockHash]:
-        """Every block key in the cache (a snapshot for a consumer that lost events)."""
-        return list(self.pool.cached)
+    def cached_blocks_by_tier(self) -> list[tuple[BlockHash, Tier]]:
+        """Every block key in the cache with the best tier holding it (a snapshot for a consumer
+        that lost events)."""
+        found = [(h, Tier.DEVICE) for h in self.pool.cached]
+        if self.host is not None:
+            found += [(h, Tier.HOST) for h in self.host.entries if h not in self.pool.cached]
+        return found
+
+    def drain_tier_moves(self) -> list[TierMove]:
+        """The copies between tiers queued since the last call, in the order they must run."""
+        moves, self.pool.moves = self.pool.moves, []
+        self.num_offloaded_blocks += sum(1 for m in moves if m.kind is MoveKind.OFFLOAD)
+        self.num_onboarded_blocks += sum(1 for m in moves if m.kind is MoveKind.ONBOARD)
+        return moves
 
     def drain_events(self) -> list[KvEvent]:
         return self.events.drain()
@@ -106,17 +130,20 @@ class KvCacheManager:
     def analyze_prefix_reuse(self, request: CacheRequest) -> PrefixAnalysis:
         """One walk over the request's block keys: what is cached, what must be allocated, whether it fits."""
         request.validate()
-        matched = self._match(request)
+        matched, lower = self._match(request)
         num_revived = sum(1 for b in matched if b.ref_count == 0)
         available = self.pool.num_available - num_revived
         by_tier = [0] * len(Tier)
         for block in matched:
             by_tier[block.tier] += 1
+        by_tier[Tier.HOST] += len(lower)
         num_new = self._num_claim_blocks(request) - len(matched)
+        num_cached = len(matched) + len(lower)
         return PrefixAnalysis(
-            num_cached_blocks=len(matched),
-            num_cached_tokens=len(matched) * self.tokens_per_block,
+            num_cached_blocks=num_cached,
+            num_cached_tokens=num_cached * self.tokens_per_block,
             num_cached_by_tier=tuple(by_tier),
+            num_onboard_blocks=len(lower),
             num_new_blocks=num_new,
             num_available_blocks=available,
             fits=num_new <= available,
@@ -130,23 +157,34 @@ class KvCacheManager:
     def add_sequence_batch(self, requests: Sequence[CacheRequest]) -> list[ClaimResult]:
         """Admit a whole batch, or none of it (OutOfBlocksError, nothing changed).
 
-        Phase 1 matches and locks every reusable block of every request; phase 2 allocates the rest.
+        Phase 1 matches and locks every reusable block of every request (device blocks by a
+        reference, host-tier entries by a pin); phase 2 allocates the rest, onboarding host hits.
         Allocation for one request therefore never evicts a block another request of the batch matched.
         """
         self._check_new(requests)
         matches = [self._match(r) for r in requests]
-        locked = [(b, b.last_used) for m in matches for b in m]
+        locked = [(b, b.last_used) for m, _ in matches for b in m]
+        pinned = [h for _, lower in matches for h in lower]
         for block, _ in locked:
             self.pool.ref(block)
-        needed = sum(self._num_claim_blocks(r) - len(m) for r, m in zip(requests, matches))
-        if needed > self.pool.num_available:
-            available = self.pool.num_available
-            for block, last_used in reversed(locked):
-                self.pool.unref(block, last_used)
-            raise OutOfBlocksError(needed, available)
-        return [self._admit(r, m) for r, m in zip(requests, matches)]
+        for block_hash in pinned:
+            self.host.pin(block_hash)  # type: ignore[union-attr]  # a lower-tier match implies a host tier
+        try:
+            shared = len(pinned) - len(set(pinned))  # a host hit two requests share is onboarded once
+            needed = sum(self._num_claim_blocks(r) - len(m) for r, (m, _) in zip(requests, matches)) - shared
+            if needed > self.pool.num_available:
+                available = self.pool.num_available
+                for block, last_used in reversed(locked):
+                    self.pool.unref(block, last_used)
+                raise OutOfBlocksError(needed, available)
+            return [self._admit(r, m, lower) for r, (m, lower) in zip(requests, matches)]
+        finally:
+            for block_hash in pinned:
+                self.host.unpin(block_hash)  # type: ignore[union-attr]
 
-    def _admit(self, request: CacheRequest, matched: list[KvBlock]) -> ClaimResult:
+    def _admit(self, request: CacheRequest, matched: list[KvBlock], lower: list[BlockHash]) -> ClaimResult:
+        onboarded = self._onboard(request, matched, lower)
+        matched = matched + onboarded
         new_blocks = self.pool.allocate(self._num_claim_blocks(request) - len(matched))
         for i, block in enumerate(matched):
             explicit = request.block_priority(i * self.tokens_per_block, (i + 1) * self.tokens_per_block)
@@ -231,12 +269,16 @@ class KvCacheManager:
         if self.num_used_blocks:
             return False
         self.pool.clear_cached_free()
+        if self.host is not None:
+            self.host.clear()
         self.events.cleared()
         return True
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + cached-free + in-use == total and ownership is consistent."""
         check_pool_integrity(self.pool, [s.blocks for s in self._seqs.values()])
+        if self.host is not None and (problems := self.host.check()):
+            raise IntegrityError("; ".join(problems))
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -254,18 +296,44 @@ class KvCacheManager:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already held")
             seen.add(request.request_id)
 
-    def _match(self, request: CacheRequest) -> list[KvBlock]:
-        """Cached blocks of the longest reusable prefix; the last prompt token is always left to compute."""
+    def _match(self, request: CacheRequest) -> tuple[list[KvBlock], list[BlockHash]]:
+        """The longest reusable prefix: its device blocks, then the keys of the host-tier blocks
+        that continue it (a device block's parent is always on the device, so the device part
+        comes first). The last prompt token is always left to compute."""
         if not self.config.enable_block_reuse:
-            return []
+            return [], []
         max_blocks = (len(request.token_ids) - 1) // self.tokens_per_block
-        matched = []
+        matched: list[KvBlock] = []
+        lower: list[BlockHash] = []
         for block_hash in request.block_hashes(self.tokens_per_block)[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
+            block = self.pool.lookup(block_hash) if not lower else None
+            if block is not None:
+                matched.append(block)
+            elif self.host is not None and block_hash in self.host:
+                lower.append(block_hash)
+            else:
                 break
-            matched.append(block)
-        return matched
+        return matched, lower
+
+    def _onboard(self, request: CacheRequest, matched: list[KvBlock], lower: list[BlockHash]) -> list[KvBlock]:
+        """Device blocks for the host-tier part of a prefix, published now, their copies queued.
+        A key another request of the batch onboarded already is shared instead."""
+        blocks: list[KvBlock] = []
+        for block_hash in lower:
+            existing = self.pool.lookup(block_hash)
+            if existing is not None:
+                self.pool.ref(existing)
+                blocks.append(existing)
+                continue
+            (block,) = self.pool.allocate(1)
+            entry = self.host.get(block_hash)  # type: ignore[union-attr]
+            assert entry is not None  # pinned since phase 1
+            parent = (matched + blocks)[-1] if matched or blocks else None
+            self.pool.publish(block, block_hash, parent, entry.priority, None, request.lora_id, onboarded=True)
+            self.pool.moves.append(TierMove(MoveKind.ONBOARD, block.block_id, entry.slot))
+            self.host.touch(block_hash)  # type: ignore[union-attr]
+            blocks.append(block)
+        return blocks
 
     def _num_claim_blocks(self, request: CacheRequest) -> int:
         num_tokens = request.num_claim_tokens or len(request.token_ids)

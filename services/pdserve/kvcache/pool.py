@@ -1,6 +1,8 @@
 """`BlockPool`: the physical blocks, the free list, the prefix-cache map and eviction.
 
 The pool owns block state transitions; the manager decides which blocks a sequence gets.
+With a host tier, a block evicted to make room moves down to it when its priority allows
+(`host_tier.py`): its key stays findable there, and the copy is queued in `moves`.
 """
 import time
 from collections import deque
@@ -11,12 +13,16 @@ from pdserve.common.ids import BlockHash, BlockId
 from pdserve.kvcache.block import KvBlock, Tier
 from pdserve.kvcache.events import EventBuffer
 from pdserve.kvcache.eviction import EvictionQueue
+from pdserve.kvcache.host_tier import HostTier, MoveKind, TierMove
 
 
 class BlockPool:
     """Blocks move free → in use → (published) cached-free → evicted → in use, never two places at once."""
 
-    def __init__(self, num_blocks: int, events: EventBuffer, use_priority: bool, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, num_blocks: int, events: EventBuffer, use_priority: bool, clock: Callable[[], float] = time.monotonic,
+                 host: HostTier | None = None) -> None:
+        self.host = host
+        self.moves: list[TierMove] = []  # copies between tiers the engine has yet to make, in order
         self.blocks = [KvBlock(BlockId(i)) for i in range(num_blocks)]
         self.free_list: deque[KvBlock] = deque(self.blocks)
         self.cached: dict[BlockHash, KvBlock] = {}
@@ -76,8 +82,10 @@ class BlockPool:
             taken.append(block)
         return taken
 
-    def publish(self, block: KvBlock, block_hash: BlockHash, parent: KvBlock | None, priority: int, expires_at: float | None, lora_id: int | None) -> None:
-        """Make an in-use block findable by `block_hash` (its KV must already be written)."""
+    def publish(self, block: KvBlock, block_hash: BlockHash, parent: KvBlock | None, priority: int, expires_at: float | None,
+                lora_id: int | None, onboarded: bool = False) -> None:
+        """Make an in-use block findable by `block_hash` (its KV must already be written, or, when
+        `onboarded`, be copied from the host tier by a move queued before any reader)."""
         block.block_hash = block_hash
         block.parent = parent
         block.priority = priority
@@ -87,7 +95,10 @@ class BlockPool:
             parent.num_children += 1
         self.cached[block_hash] = block
         self.queue.watch_expiry(block)
-        self.events.stored([block_hash], parent.block_hash if parent else None, block.tier, priority, lora_id)
+        if onboarded:
+            self.events.updated(block_hash, Tier.DEVICE, priority)
+        else:
+            self.events.stored([block_hash], parent.block_hash if parent else None, block.tier, priority, lora_id)
 
     def set_priority(self, block: KvBlock, priority: int, expires_at: float | None) -> None:
         if (block.priority, block.priority_expires_at) == (priority, expires_at):
@@ -102,21 +113,46 @@ class BlockPool:
     def clear_cached_free(self) -> None:
         """Evict every cached-free block (prefix-cache reset); in-use blocks are untouched."""
         while self.num_cached_free:
-            self.free_list.append(self._evict_one())
+            self.free_list.append(self._evict_one(offload=False))
 
-    def _evict_one(self) -> KvBlock:
+    def _evict_one(self, offload: bool = True) -> KvBlock:
         self.queue.expire(self.clock())
         block = self.queue.pop()
         if block is None:  # unreachable while the integrity invariants hold
             raise OutOfBlocksError(1, 0)
-        self._uncache(block)
+        self._uncache(block, offload and self._move_down(block))
         self.num_cached_free -= 1
         return block
 
-    def _uncache(self, block: KvBlock) -> None:
+    def _move_down(self, block: KvBlock) -> bool:
+        """Keep an evicted block in the host tier if it is there already or its priority lets it
+        move down (queueing the copy); True if it stays findable there."""
+        host, block_hash = self.host, block.block_hash
+        if host is None or block_hash is None:
+            return False
+        if block_hash in host:
+            host.touch(block_hash)
+            return True
+        if not host.admits(block.priority):
+            return False
+        taken = host.take_slot()
+        if taken is None:  # every entry is pinned by the claim in progress
+            return False
+        slot, dropped = taken
+        if dropped is not None and dropped not in self.cached:  # on no tier any more
+            self.events.removed([dropped], Tier.HOST)
+        parent = block.parent.block_hash if block.parent is not None else None
+        host.add(block_hash, slot, parent, block.priority, None)
+        self.moves.append(TierMove(MoveKind.OFFLOAD, block.block_id, slot))
+        return True
+
+    def _uncache(self, block: KvBlock, moved_down: bool = False) -> None:
         assert block.block_hash is not None
         del self.cached[block.block_hash]
-        self.events.removed([block.block_hash], block.tier)
+        if moved_down:
+            self.events.updated(block.block_hash, Tier.HOST, block.priority)
+        else:
+            self.events.removed([block.block_hash], block.tier)
         parent = block.parent
         block.block_hash = None
         block.parent = None

@@ -47,6 +47,8 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
         free_memory_fraction=settings.gpu_memory_utilization,
         tokens_per_block=settings.block_size,
         enable_block_reuse=settings.enable_prefix_caching,
+        host_cache_size=settings.host_cache_size,
+        secondary_offload_min_priority=settings.secondary_offload_min_priority,
     )
     max_model_len = settings.max_model_len or load_model_config(settings.model).max_position_embeddings
     scheduler = SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens, max_model_len)

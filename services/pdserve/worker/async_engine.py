@@ -113,7 +113,7 @@ class ThreadedEngine:
     def add_kv_event_listener(self, listener: Callable[[list[KvEvent]], None]) -> None:
         """Call `listener(events)` on the engine thread after each loop iteration that produced
         KV cache events (numbered; a listener added late sees a gap and should resync from
-        `kv.cached_block_hashes()` via `call`). The listener must not block."""
+        `kv.cached_blocks_by_tier()` via `call`). The listener must not block."""
         self._kv_event_listeners.append(listener)
 
     def info(self) -> ModelInfo:

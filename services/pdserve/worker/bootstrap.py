@@ -3,6 +3,7 @@
 The only place that sizes the KV cache: the smallest of `max_tokens`, `max_total_bytes` and
 `free_memory_fraction` of the memory available on the device (RAM on CPU).
 """
+import logging
 import os
 from dataclasses import dataclass
 
@@ -14,11 +15,14 @@ from pdserve.common.stats import ModelInfo, WorkerRole
 from pdserve.models.tokenizer import load_tokenizer
 from pdserve.engine.model.kv_tensor import bytes_per_block, kv_storage_dtype
 from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.model.host_store import HostKvStore
 from pdserve.engine.model.runner import ModelRunner
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device, resolve_dtype
 from pdserve.kvcache import HASH_ALGORITHM, KvCacheConfig, KvCacheManager
 from pdserve.worker.async_engine import ThreadedEngine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +59,15 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
                               tokens_per_block=spec.kv.tokens_per_block, kv_cache_dtype=spec.kv_cache_dtype,
                               cache_dir=spec.cache_dir, kernels=spec.kernels)
     tokenizer = load_tokenizer(spec.model, spec.cache_dir)
-    return LLMEngine(runner, KvCacheManager(spec.kv, num_blocks), tokenizer, spec.scheduler)
+    num_host_blocks = spec.kv.host_cache_size // per_block
+    if spec.kv.host_cache_size and not num_host_blocks:
+        raise ConfigError("host_cache_size", spec.kv.host_cache_size, f"smaller than one KV block ({per_block} bytes)")
+    host_store = HostKvStore(runner.kv_tensor, num_host_blocks) if num_host_blocks else None
+    if host_store is not None:
+        log.info("host KV tier: %d blocks (%.0f MiB) beside %d device blocks", num_host_blocks,
+                 host_store.num_bytes / 2**20, num_blocks)
+    kv = KvCacheManager(spec.kv, num_blocks, num_host_blocks=num_host_blocks)
+    return LLMEngine(runner, kv, tokenizer, spec.scheduler, host_store=host_store)
 
 
 def cpu_summary(engine: LLMEngine, runtime: dict[str, str]) -> str:

@@ -92,12 +92,7 @@ class KvEventPublisher:
 
 def _take_snapshot(kv: KvCacheManager, epoch: str) -> convert.KvSnapshot:
     """Engine thread: every cached block and the seq of the first event not reflected."""
-    blocks = []
-    for block_hash in kv.cached_block_hashes():
-        block = kv.pool.lookup(block_hash)
-        if block is not None:
-            blocks.append((block_hash, block.tier))
-    return convert.KvSnapshot(epoch, kv.events.next_seq, tuple(blocks))
+    return convert.KvSnapshot(epoch, kv.events.next_seq, tuple(kv.cached_blocks_by_tier()))
 
 
 _STOPPING = object()

@@ -1,7 +1,8 @@
 """Fidelity of the whole engine (scheduler + KV cache manager + model + sampler) against
 transformers' greedy `generate`, float32, over a batch of prompts of mixed lengths:
 with prefix reuse on and off, chunks of one block and of an odd number of tokens, a warm
-prefix cache, and preemption forced by a tiny cache."""
+prefix cache, preemption forced by a tiny cache, and prefixes offloaded to the host tier and
+copied back."""
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.scheduler import SchedulerConfig
+from pdserve.engine.model.host_store import HostKvStore
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
 from token_store_runner import CharTokenizer
 
@@ -26,10 +28,12 @@ CASES = {
 }
 
 
-def _engine(checkpoint, num_blocks=64, budget=512, reuse=True, kernels="auto") -> LLMEngine:
+def _engine(checkpoint, num_blocks=64, budget=512, reuse=True, kernels="auto", host_blocks=0) -> LLMEngine:
     runner = load_runner(checkpoint, num_blocks=num_blocks, kernels=kernels)
-    kv = KvCacheManager(KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK, enable_block_reuse=reuse), num_blocks)
-    return LLMEngine(runner, kv, CharTokenizer(), SchedulerConfig(8, budget, 64))
+    kv = KvCacheManager(KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK, enable_block_reuse=reuse), num_blocks,
+                        num_host_blocks=host_blocks)
+    store = HostKvStore(runner.kv_tensor, host_blocks) if host_blocks else None
+    return LLMEngine(runner, kv, CharTokenizer(), SchedulerConfig(8, budget, 64), host_store=store)
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[int]]:
@@ -78,3 +82,15 @@ def test_warm_prefix_cache_gives_the_same_tokens(checkpoints, expected, kind):
     hits_before = engine.kv.num_hit_tokens
     assert _generate(engine, PROMPTS, "warm") == expected[kind]
     assert engine.kv.num_hit_tokens > hits_before
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_prefixes_offloaded_to_the_host_tier_and_copied_back_give_the_same_tokens(checkpoints, expected, kind,
+                                                                                  kernels):
+    engine = _engine(checkpoints[kind], num_blocks=24, host_blocks=64, kernels=kernels)
+    assert _generate(engine, PROMPTS, "cold") == expected[kind]
+    _generate(engine, [prompt(50, 100 + i) for i in range(3)], "flush")  # pushes the prompts' blocks down
+    assert engine.kv.num_offloaded_blocks > 0
+    hits, onboarded = engine.kv.num_hit_tokens, engine.kv.num_onboarded_blocks
+    assert _generate(engine, PROMPTS, "warm") == expected[kind]
+    assert engine.kv.num_onboarded_blocks > onboarded and engine.kv.num_hit_tokens > hits

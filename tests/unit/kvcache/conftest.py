@@ -16,9 +16,10 @@ class FakeClock:
         return self.now
 
 
-def make_manager(num_blocks: int = 8, tokens_per_block: int = 4, clock: FakeClock | None = None, **config) -> KvCacheManager:
+def make_manager(num_blocks: int = 8, tokens_per_block: int = 4, clock: FakeClock | None = None,
+                 num_host_blocks: int = 0, **config) -> KvCacheManager:
     cfg = KvCacheConfig(tokens_per_block=tokens_per_block, **config)
-    return KvCacheManager(cfg, num_blocks, clock=clock or FakeClock())
+    return KvCacheManager(cfg, num_blocks, clock=clock or FakeClock(), num_host_blocks=num_host_blocks)
 
 
 def make_request(request_id: str, tokens: Sequence[int], *, priorities: Sequence[tuple] = (), **kw) -> CacheRequest:

@@ -3,7 +3,9 @@
     step = schedule → forward → mark computed → sample → detokenize / stop → free finished
 
 The scheduler decides what runs, the KV cache manager which memory, the model runner runs
-the tensors, the sampler picks tokens; this module only wires them together per step.
+the tensors, the sampler picks tokens; this module only wires them together per step. With a
+host tier, the block copies the manager queues (offloads on eviction, onboards of host hits)
+are made after every claim and before anything reads or writes those blocks.
 """
 import itertools
 import time
@@ -19,6 +21,7 @@ from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, Ou
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
+from pdserve.engine.model.host_store import HostKvStore
 from pdserve.engine.model.sampler import Sampler, SamplingRow, check_sampling_params, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
@@ -35,9 +38,10 @@ class LLMEngine:
     """Owns the sequences of every live request; not thread-safe (one thread drives it)."""
 
     def __init__(self, runner, kv: KvCacheManager, tokenizer, config: SchedulerConfig, sampler: Sampler | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, host_store: HostKvStore | None = None) -> None:
         self.runner = runner
         self.kv = kv
+        self.host_store = host_store
         self.tokenizer = tokenizer
         self.config = config
         self.scheduler = Scheduler(config, kv)
@@ -89,6 +93,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
+        self._move_between_tiers()
         if not chunks:
             return []
         batch = ForwardBatch(tuple(self._seq_chunk(c) for c in chunks))
@@ -100,6 +105,12 @@ class LLMEngine:
             if seq_chunk.needs_logits:
                 sampled_rows += [(seq, logits[-1]) for seq in self._siblings_to_sample(chunk.seq)]
         return self._sample_and_emit(sampled_rows)
+
+    def _move_between_tiers(self) -> None:
+        moves = self.kv.drain_tier_moves()
+        if moves:
+            assert self.host_store is not None, "a host tier in the KV cache manager needs a host store"
+            self.host_store.apply(moves)
 
     # ---- KV handoff between a prefill and a decode worker ----------------------------------------
 
@@ -117,6 +128,7 @@ class LLMEngine:
         self._validate(request)
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
         claim = self.kv.add_sequence(seq.cache_request())
+        self._move_between_tiers()  # before a peer writes into the blocks
         seq.num_computed_tokens = seq.num_cached_tokens = claim.num_cached_tokens
         self.handoffs.reserve(seq, lease_s)
         self._requests[request.request_id] = [seq]
@@ -239,6 +251,7 @@ class LLMEngine:
             except OutOfBlocksError:
                 self.scheduler.add(child)  # no room to share now: recompute from the prefix cache later
                 continue
+            self._move_between_tiers()
             if copy is not None:
                 self.runner.copy_blocks([copy[0]], [copy[1]])
             child.status = SeqStatus.RUNNING

@@ -112,7 +112,7 @@ class Scheduler:
             cached = analysis.num_cached_tokens
             n = min(len(seq.token_ids) - cached, budget)
             revived = self.kv.num_free_blocks - analysis.num_available_blocks
-            need = -(-(cached + n) // tpb) - analysis.num_cached_blocks + revived
+            need = -(-(cached + n) // tpb) - analysis.num_cached_blocks + analysis.num_onboard_blocks + revived
             if need > blocks_left:
                 break
             self.waiting.popleft()

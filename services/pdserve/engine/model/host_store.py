@@ -1,0 +1,29 @@
+"""The host tier's bytes: one KV block per slot, in host memory (pinned when the device is CUDA),
+and the copies between it and the device KV tensor that the KV cache manager queues."""
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.kvcache.host_tier import MoveKind, TierMove
+
+
+class HostKvStore:
+    """`num_slots` blocks shaped like one block of `kv_tensor` (every layer, K and V)."""
+
+    def __init__(self, kv_tensor: torch.Tensor, num_slots: int) -> None:
+        pin = kv_tensor.device.type == "cuda"
+        self.kv_tensor = kv_tensor
+        self.slots = torch.zeros((num_slots, *kv_tensor.shape[1:]), dtype=kv_tensor.dtype, pin_memory=pin)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.slots.numel() * self.slots.element_size()
+
+    def apply(self, moves: Sequence[TierMove]) -> None:
+        """Make the copies in order (an onboard may read a slot a later offload reuses)."""
+        with torch.inference_mode():
+            for move in moves:
+                if move.kind is MoveKind.OFFLOAD:
+                    self.slots[move.slot].copy_(self.kv_tensor[move.block_id])
+                else:
+                    self.kv_tensor[move.block_id].copy_(self.slots[move.slot], non_blocking=True)

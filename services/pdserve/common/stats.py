@@ -60,6 +60,10 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions: int
+    num_host_blocks: int = 0  # the host tier's capacity (0: no host tier)
+    num_host_cached_blocks: int = 0  # blocks held there now
+    num_offloaded_blocks: int = 0  # cumulative: device -> host copies
+    num_onboarded_blocks: int = 0  # cumulative: host -> device copies (prefix hits in the host tier)
 
     @property
     def kv_usage(self) -> float:

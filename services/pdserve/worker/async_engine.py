@@ -315,6 +315,9 @@ class ThreadedEngine:
             num_prefill_tokens_queued=scheduler.num_prefill_tokens_queued,
             prefix_cache_queried_tokens=kv.num_query_tokens, prefix_cache_hit_tokens=kv.num_hit_tokens,
             num_preemptions=scheduler.num_preemptions,
+            num_host_blocks=kv.host.num_slots if kv.host else 0,
+            num_host_cached_blocks=len(kv.host.entries) if kv.host else 0,
+            num_offloaded_blocks=kv.num_offloaded_blocks, num_onboarded_blocks=kv.num_onboarded_blocks,
         )
 
 

@@ -70,12 +70,18 @@ class WorkerStatsCollector(Collector):
             "pdserve_num_requests_waiting": ("Requests queued in the worker", stats.num_waiting),
             "pdserve_kv_blocks_in_use": ("KV blocks referenced by requests", stats.num_used_blocks),
             "pdserve_kv_blocks_total": ("KV blocks in the worker's pool", stats.num_total_blocks),
+            "pdserve_kv_host_blocks": ("KV blocks the host tier can hold", stats.num_host_blocks),
+            "pdserve_kv_host_cached_blocks": ("KV blocks held in the host tier", stats.num_host_cached_blocks),
         }
         counters = {
             "pdserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
                                              stats.prefix_cache_queried_tokens),
             "pdserve_prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.prefix_cache_hit_tokens),
             "pdserve_preemptions": ("Requests preempted by the worker", stats.num_preemptions),
+            "pdserve_kv_offloaded_blocks": ("KV blocks copied from the device to the host tier",
+                                            stats.num_offloaded_blocks),
+            "pdserve_kv_onboarded_blocks": ("KV blocks copied back from the host tier (prefix hits there)",
+                                            stats.num_onboarded_blocks),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -71,7 +71,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_used_blocks", "num_prefill_tokens_queued", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_used_blocks", "num_prefill_tokens_queued", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_host_blocks", "num_host_cached_blocks", "num_offloaded_blocks", "num_onboarded_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,10 @@ class EngineStats(_message.Message):
     PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ONBOARDED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -90,7 +94,11 @@ class EngineStats(_message.Message):
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_prefill_tokens_queued: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    num_host_cached_blocks: int
+    num_offloaded_blocks: int
+    num_onboarded_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_prefill_tokens_queued: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_onboarded_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("stats",)

@@ -1,0 +1,88 @@
+"""The host KV tier through `pdserve serve` (tiny checkpoint, a device cache of 512 tokens, 1 MiB of
+host tier): a prompt pushed out of the device cache by others comes back from the host tier as
+cached tokens, with the same greedy text; disaggregated, the decode worker's host hit means the
+prefill worker sends nothing for it."""
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.stack import free_port, make_tiny_checkpoint
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+START_TIMEOUT_S = 180.0
+PROMPT = "The keeper climbed the stairs of the old lighthouse to light the lamp. " * 5  # ~80 tokens
+FLUSH = [f"Flush {i}: rivers, bridges and markets of a city nobody has written about before. " * 10
+         for i in range(4)]  # ~170 tokens each: together more than the device cache holds
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def start_serve(checkpoint: Path, directory: Path, *topology: str) -> tuple[subprocess.Popen, str, str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(checkpoint), "--port", str(port),
+            "--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--max-kv-tokens", "512",
+            "--host-cache-size", "1MiB", "--cache-dir", "", "--startup-timeout", "150", *topology]
+    with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
+        process = subprocess.Popen(argv, stdout=out, stderr=err)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while b"pdserve is ready" not in (directory / "serve.out").read_bytes():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError((directory / "serve.err").read_text()[-3000:])
+        time.sleep(0.2)
+    return process, f"http://127.0.0.1:{port}", (directory / "serve.out").read_text()
+
+
+def complete(url: str, prompt: str) -> tuple[str, int, dict[str, str]]:
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    route = dict(part.split("=", 1) for part in response.headers["x-pdserve-route"].split(";"))
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"], route
+
+
+def metric(url: str, name: str, at_least: float, timeout_s: float = 10.0) -> float:
+    """The router's sum of `name` over its workers, once it reaches `at_least` (the router polls
+    its workers' stats twice a second) or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        value = sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                    if line.startswith(name + " ") or line.startswith(name + "{"))
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("topology", [("--aggregated",), ()], ids=["aggregated", "disaggregated"])
+def test_a_prompt_pushed_out_of_the_device_cache_comes_back_from_the_host_tier(checkpoint: Path, tmp_path: Path,
+                                                                              topology: tuple[str, ...]) -> None:
+    process, url, banner = start_serve(checkpoint, tmp_path, *topology)
+    try:
+        first, cached, _ = complete(url, PROMPT)
+        assert cached == 0
+        for prompt in FLUSH:
+            complete(url, prompt)
+        assert metric(url, "pdserve_kv_offloaded_blocks_total", 5) >= 5
+        again, cached, route = complete(url, PROMPT)
+        assert again == first
+        assert cached >= 64  # four or more of its five full blocks, from the host tier
+        assert metric(url, "pdserve_kv_onboarded_blocks_total", 4) >= 4
+        if not topology:  # the decode worker had it: nothing to prefill remotely, nothing to send
+            assert route["prefilled_by"] == "local", route
+    finally:
+        process.terminate()
+        process.wait(60)

@@ -89,6 +89,10 @@ class WorkerSettings:
     host_cache_size: int = opt(0, parse=cv.parse_bytes,
                                help="bytes of host memory for KV blocks evicted from the device, e.g. 4GiB "
                                     "(a second tier: a prefix hit there is copied back, not recomputed; 0: none)")
+    disk_cache_dir: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                                     help="folder for KV blocks the host tier lets go (needs --host-cache-size); "
+                                          "found again at the next start")
+    disk_cache_size: int = opt(4 << 30, parse=cv.parse_bytes, help="bytes of --disk-cache-dir the disk tier may use")
     secondary_offload_min_priority: int = opt(35, parse=cv.parse_int,
                                               help="blocks evicted with a retention priority at or above this "
                                                    "move down to the host tier; lower ones are dropped "
@@ -142,6 +146,9 @@ class WorkerSettings:
         check(self.host_cache_size >= 0, "host_cache_size", self.host_cache_size, "must be >= 0")
         check(0 <= self.secondary_offload_min_priority <= 100, "secondary_offload_min_priority",
               self.secondary_offload_min_priority, "must be in 0..100")
+        check(self.disk_cache_size > 0, "disk_cache_size", self.disk_cache_size, "must be > 0")
+        check(not self.disk_cache_dir or self.host_cache_size > 0, "disk_cache_dir", self.disk_cache_dir,
+              "a disk tier needs a host tier above it: set --host-cache-size too")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
         check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",

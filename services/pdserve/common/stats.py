@@ -64,6 +64,11 @@ class EngineStats:
     num_host_cached_blocks: int = 0  # blocks held there now
     num_offloaded_blocks: int = 0  # cumulative: device -> host copies
     num_onboarded_blocks: int = 0  # cumulative: host -> device copies (prefix hits in the host tier)
+    num_disk_blocks: int = 0  # the disk tier's capacity (0: no disk tier)
+    num_disk_cached_blocks: int = 0
+    num_spilled_blocks: int = 0  # cumulative: host -> disk writes
+    num_loaded_blocks: int = 0  # cumulative: disk -> device reads (prefix hits on disk)
+    num_corrupt_disk_blocks: int = 0  # cumulative: block files that failed their check (misses)
 
     @property
     def kv_usage(self) -> float:

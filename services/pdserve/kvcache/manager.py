@@ -8,10 +8,12 @@ Blocks become reusable (published under their block key) only once full and comp
 published before its KV is written would poison the cache. A request's published blocks always
 have their cached ancestors among its own blocks, so every cached-free block is evictable in turn.
 
-With a host tier (`num_host_blocks` > 0), a prefix continues past the device's blocks into the
-host tier's: those blocks are cached tokens too. Phase 2 of the claim gives each a device block,
-published at once, and queues its copy back (`drain_tier_moves`: the engine makes the copies,
-in order, before any forward or transfer reads the blocks).
+With lower tiers (`num_host_blocks`, `num_disk_blocks` > 0), a prefix continues past the
+device's blocks into the host tier's, then the disk tier's: those blocks are cached tokens too.
+Phase 2 of the claim gives each a device block, published at once, and queues its copy back
+(`drain_tier_moves`: the engine makes the copies, in order, before any forward or transfer
+reads the blocks). A disk block found at start is checked (`disk_verifier`) at its first hit: a
+corrupt one is a miss, deleted, and counted — never KV the claim promises.
 """
 import math
 import time
@@ -26,7 +28,7 @@ from pdserve.kvcache.block import KvBlock, Tier
 from pdserve.kvcache.block_key import hash_request_blocks
 from pdserve.kvcache.config import KvCacheConfig
 from pdserve.kvcache.events import EventBuffer, KvEvent
-from pdserve.kvcache.host_tier import HostTier, MoveKind, TierMove
+from pdserve.kvcache.lower_tier import LowerTier, MoveKind, TierEntry, TierMove
 from pdserve.kvcache.integrity import IntegrityError, check_pool_integrity
 from pdserve.kvcache.pool import BlockPool
 from pdserve.kvcache.request import CacheRequest
@@ -68,18 +70,27 @@ class KvCacheManager:
     """Paged KV bookkeeping: prefix matching, the two-phase claim, growth, publishing, eviction."""
 
     def __init__(self, config: KvCacheConfig, num_blocks: int, clock: Callable[[], float] = time.monotonic,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_disk_blocks: int = 0,
+                 disk_verifier: Callable[[BlockHash], bool] | None = None) -> None:
         if num_blocks < 1:
             raise InvalidRequestError(f"num_blocks={num_blocks}: need at least one block", "num_blocks")
-        if num_host_blocks < 0:
-            raise InvalidRequestError(f"num_host_blocks={num_host_blocks}: must be >= 0", "num_host_blocks")
+        if num_host_blocks < 0 or num_disk_blocks < 0:
+            raise InvalidRequestError("lower tiers need >= 0 blocks", "num_host_blocks")
+        if num_disk_blocks and not num_host_blocks:
+            raise InvalidRequestError("a disk tier needs a host tier above it", "num_disk_blocks")
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         self.events = EventBuffer(config.event_buffer_max_size)
-        self.host = HostTier(num_host_blocks, config.secondary_offload_min_priority) if num_host_blocks else None
-        self.pool = BlockPool(num_blocks, self.events, config.eviction_policy == "priority", clock, self.host)
+        threshold = config.secondary_offload_min_priority
+        self.host = LowerTier(num_host_blocks, threshold) if num_host_blocks else None
+        self.disk = LowerTier(num_disk_blocks, threshold) if num_disk_blocks else None
+        self._disk_verifier = disk_verifier
+        self.pool = BlockPool(num_blocks, self.events, config.eviction_policy == "priority", clock, self.host, self.disk)
         self.num_offloaded_blocks = 0
         self.num_onboarded_blocks = 0
+        self.num_spilled_blocks = 0
+        self.num_loaded_blocks = 0
+        self.num_corrupt_disk_blocks = 0
         self._clock = clock
         self._seqs: dict[RequestId, _Sequence] = {}
         self.num_query_tokens = 0
@@ -115,6 +126,9 @@ class KvCacheManager:
         found = [(h, Tier.DEVICE) for h in self.pool.cached]
         if self.host is not None:
             found += [(h, Tier.HOST) for h in self.host.entries if h not in self.pool.cached]
+        if self.disk is not None:
+            found += [(h, Tier.DISK) for h in self.disk.entries
+                      if h not in self.pool.cached and (self.host is None or h not in self.host)]
         return found
 
     def drain_tier_moves(self) -> list[TierMove]:
@@ -122,8 +136,34 @@ class KvCacheManager:
         moves, self.pool.moves = self.pool.moves, []
         self.num_offloaded_blocks += sum(1 for m in moves if m.kind is MoveKind.OFFLOAD)
         self.num_onboarded_blocks += sum(1 for m in moves if m.kind is MoveKind.ONBOARD)
+        self.num_spilled_blocks += sum(1 for m in moves if m.kind is MoveKind.SPILL)
+        self.num_loaded_blocks += sum(1 for m in moves if m.kind is MoveKind.LOAD)
         return moves
 
+    def adopt_disk_blocks(self, blocks: Sequence[tuple[BlockHash, BlockHash | None, int]]) -> int:
+        """Take over blocks found on disk at start, (key, parent key, priority) each, parents
+        first: each is announced (`stored`, tier DISK) and checked at its first hit. Stops when the
+        tier is full; how many were taken."""
+        if self.disk is None:
+            return 0
+        taken = 0
+        for block_hash, parent, priority in blocks:
+            if block_hash in self.disk or not self.disk.free_slots:
+                continue
+            self.disk.add(block_hash, self.disk.free_slots.pop(), parent, priority, None, verified=False)
+            self.events.stored([block_hash], parent, Tier.DISK, priority, None)
+            taken += 1
+        return taken
+
+    def spill_host_tier(self) -> list[TierMove]:
+        """At a graceful stop: queue every host-tier block the disk tier admits and lacks for
+        writing to disk (evicting older disk blocks as needed); the moves, to make now."""
+        if self.host is None or self.disk is None:
+            return []
+        for block_hash, entry in sorted(self.host.entries.items(), key=lambda item: -item[1].last_used):
+            if block_hash not in self.disk and self.disk.admits(entry.priority):
+                self.pool._host_let_go(block_hash, entry)
+        return self.drain_tier_moves()
     def drain_events(self) -> list[KvEvent]:
         return self.events.drain()
 
@@ -136,7 +176,8 @@ class KvCacheManager:
         by_tier = [0] * len(Tier)
         for block in matched:
             by_tier[block.tier] += 1
-        by_tier[Tier.HOST] += len(lower)
+        for block_hash in lower:
+            by_tier[Tier.HOST if self.host is not None and block_hash in self.host else Tier.DISK] += 1
         num_new = self._num_claim_blocks(request) - len(matched)
         num_cached = len(matched) + len(lower)
         return PrefixAnalysis(
@@ -168,7 +209,7 @@ class KvCacheManager:
         for block, _ in locked:
             self.pool.ref(block)
         for block_hash in pinned:
-            self.host.pin(block_hash)  # type: ignore[union-attr]  # a lower-tier match implies a host tier
+            self._lower_entry(block_hash).pins += 1
         try:
             shared = len(pinned) - len(set(pinned))  # a host hit two requests share is onboarded once
             needed = sum(self._num_claim_blocks(r) - len(m) for r, (m, _) in zip(requests, matches)) - shared
@@ -180,7 +221,7 @@ class KvCacheManager:
             return [self._admit(r, m, lower) for r, (m, lower) in zip(requests, matches)]
         finally:
             for block_hash in pinned:
-                self.host.unpin(block_hash)  # type: ignore[union-attr]
+                self._lower_entry(block_hash).pins -= 1
 
     def _admit(self, request: CacheRequest, matched: list[KvBlock], lower: list[BlockHash]) -> ClaimResult:
         onboarded = self._onboard(request, matched, lower)
@@ -271,14 +312,17 @@ class KvCacheManager:
         self.pool.clear_cached_free()
         if self.host is not None:
             self.host.clear()
+        if self.disk is not None:
+            self.pool.moves += [TierMove(MoveKind.DELETE, BlockId(-1), -1, h) for h in self.disk.clear()]
         self.events.cleared()
         return True
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + cached-free + in-use == total and ownership is consistent."""
         check_pool_integrity(self.pool, [s.blocks for s in self._seqs.values()])
-        if self.host is not None and (problems := self.host.check()):
-            raise IntegrityError("; ".join(problems))
+        for tier in (self.host, self.disk):
+            if tier is not None and (problems := tier.check()):
+                raise IntegrityError("; ".join(problems))
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -309,11 +353,29 @@ class KvCacheManager:
             block = self.pool.lookup(block_hash) if not lower else None
             if block is not None:
                 matched.append(block)
-            elif self.host is not None and block_hash in self.host:
+            elif (self.host is not None and block_hash in self.host) or self._usable_on_disk(block_hash):
                 lower.append(block_hash)
             else:
                 break
         return matched, lower
+
+    def _usable_on_disk(self, block_hash: BlockHash) -> bool:
+        """On disk and sound: a block found at start is checked once; a corrupt one is dropped."""
+        disk = self.disk
+        entry = disk.get(block_hash) if disk is not None else None
+        if entry is None:
+            return False
+        if entry.verified or self._disk_verifier is None:
+            return True
+        if self._disk_verifier(block_hash):
+            entry.verified = True
+            return True
+        disk.remove(block_hash)  # type: ignore[union-attr]
+        self.num_corrupt_disk_blocks += 1
+        self.pool.moves.append(TierMove(MoveKind.DELETE, BlockId(-1), -1, block_hash))
+        if block_hash not in self.pool.cached and (self.host is None or block_hash not in self.host):
+            self.events.removed([block_hash], Tier.DISK)
+        return False
 
     def _onboard(self, request: CacheRequest, matched: list[KvBlock], lower: list[BlockHash]) -> list[KvBlock]:
         """Device blocks for the host-tier part of a prefix, published now, their copies queued.
@@ -326,14 +388,22 @@ class KvCacheManager:
                 blocks.append(existing)
                 continue
             (block,) = self.pool.allocate(1)
-            entry = self.host.get(block_hash)  # type: ignore[union-attr]
-            assert entry is not None  # pinned since phase 1
+            in_host = self.host is not None and block_hash in self.host
+            tier = self.host if in_host else self.disk
+            entry = self._lower_entry(block_hash)  # pinned since phase 1
             parent = (matched + blocks)[-1] if matched or blocks else None
             self.pool.publish(block, block_hash, parent, entry.priority, None, request.lora_id, onboarded=True)
-            self.pool.moves.append(TierMove(MoveKind.ONBOARD, block.block_id, entry.slot))
-            self.host.touch(block_hash)  # type: ignore[union-attr]
+            kind = MoveKind.ONBOARD if in_host else MoveKind.LOAD
+            self.pool.moves.append(TierMove(kind, block.block_id, entry.slot if in_host else -1, block_hash))
+            tier.touch(block_hash)  # type: ignore[union-attr]
             blocks.append(block)
         return blocks
+
+    def _lower_entry(self, block_hash: BlockHash) -> TierEntry:
+        for tier in (self.host, self.disk):
+            if tier is not None and (entry := tier.get(block_hash)) is not None:
+                return entry
+        raise KeyError(block_hash)
 
     def _num_claim_blocks(self, request: CacheRequest) -> int:
         num_tokens = request.num_claim_tokens or len(request.token_ids)

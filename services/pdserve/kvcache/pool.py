@@ -2,7 +2,8 @@
 
 The pool owns block state transitions; the manager decides which blocks a sequence gets.
 With a host tier, a block evicted to make room moves down to it when its priority allows
-(`host_tier.py`): its key stays findable there, and the copy is queued in `moves`.
+(`lower_tier.py`), and one the host tier evicts moves on to the disk tier by the same rule: its
+key stays findable there, and the copy is queued in `moves`.
 """
 import time
 from collections import deque
@@ -13,15 +14,16 @@ from pdserve.common.ids import BlockHash, BlockId
 from pdserve.kvcache.block import KvBlock, Tier
 from pdserve.kvcache.events import EventBuffer
 from pdserve.kvcache.eviction import EvictionQueue
-from pdserve.kvcache.host_tier import HostTier, MoveKind, TierMove
+from pdserve.kvcache.lower_tier import LowerTier, MoveKind, TierEntry, TierMove
 
 
 class BlockPool:
     """Blocks move free → in use → (published) cached-free → evicted → in use, never two places at once."""
 
     def __init__(self, num_blocks: int, events: EventBuffer, use_priority: bool, clock: Callable[[], float] = time.monotonic,
-                 host: HostTier | None = None) -> None:
+                 host: LowerTier | None = None, disk: LowerTier | None = None) -> None:
         self.host = host
+        self.disk = disk
         self.moves: list[TierMove] = []  # copies between tiers the engine has yet to make, in order
         self.blocks = [KvBlock(BlockId(i)) for i in range(num_blocks)]
         self.free_list: deque[KvBlock] = deque(self.blocks)
@@ -120,9 +122,17 @@ class BlockPool:
         block = self.queue.pop()
         if block is None:  # unreachable while the integrity invariants hold
             raise OutOfBlocksError(1, 0)
-        self._uncache(block, offload and self._move_down(block))
+        self._uncache(block, self._tier_keeping(block) if offload else None)
         self.num_cached_free -= 1
         return block
+
+    def _tier_keeping(self, block: KvBlock) -> Tier | None:
+        """The lower tier that keeps an evicted block's key findable, if any."""
+        if self._move_down(block):
+            return Tier.HOST
+        if self.disk is not None and block.block_hash in self.disk:
+            return Tier.DISK
+        return None
 
     def _move_down(self, block: KvBlock) -> bool:
         """Keep an evicted block in the host tier if it is there already or its priority lets it
@@ -138,19 +148,41 @@ class BlockPool:
         taken = host.take_slot()
         if taken is None:  # every entry is pinned by the claim in progress
             return False
-        slot, dropped = taken
-        if dropped is not None and dropped not in self.cached:  # on no tier any more
-            self.events.removed([dropped], Tier.HOST)
+        slot, dropped, dropped_entry = taken
+        if dropped is not None and dropped_entry is not None:
+            self._host_let_go(dropped, dropped_entry)  # its spill is queued before the slot is reused
         parent = block.parent.block_hash if block.parent is not None else None
         host.add(block_hash, slot, parent, block.priority, None)
         self.moves.append(TierMove(MoveKind.OFFLOAD, block.block_id, slot))
         return True
 
-    def _uncache(self, block: KvBlock, moved_down: bool = False) -> None:
+    def _host_let_go(self, block_hash: BlockHash, entry: TierEntry) -> None:
+        """The host tier evicted `entry`: keep it on disk if it is there or may move there."""
+        disk = self.disk
+        on_disk = disk is not None and block_hash in disk
+        if on_disk:
+            disk.touch(block_hash)  # type: ignore[union-attr]
+        elif disk is not None and disk.admits(entry.priority) and (taken := disk.take_slot()) is not None:
+            slot, dropped, _ = taken
+            if dropped is not None:
+                self.moves.append(TierMove(MoveKind.DELETE, BlockId(-1), -1, dropped))
+                if dropped not in self.cached and (self.host is None or dropped not in self.host):
+                    self.events.removed([dropped], Tier.DISK)
+            disk.add(block_hash, slot, entry.parent, entry.priority, None)
+            self.moves.append(TierMove(MoveKind.SPILL, BlockId(-1), entry.slot, block_hash, entry.priority,
+                                       entry.parent))
+            on_disk = True
+        if block_hash not in self.cached:  # the device does not hold it either
+            if on_disk:
+                self.events.updated(block_hash, Tier.DISK, entry.priority)
+            else:
+                self.events.removed([block_hash], Tier.HOST)
+
+    def _uncache(self, block: KvBlock, kept_in: Tier | None = None) -> None:
         assert block.block_hash is not None
         del self.cached[block.block_hash]
-        if moved_down:
-            self.events.updated(block.block_hash, Tier.HOST, block.priority)
+        if kept_in is not None:
+            self.events.updated(block.block_hash, kept_in, block.priority)
         else:
             self.events.removed([block.block_hash], block.tier)
         parent = block.parent

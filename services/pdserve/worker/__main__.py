@@ -22,6 +22,7 @@ from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
 from pdserve.kvcache import KvCacheConfig
 from pdserve.worker.admission import BoundedEngine
+from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine, cpu_summary
 from pdserve.worker.kv_events import kv_events_service
 from pdserve.worker.metrics import TransferMetrics
@@ -56,7 +57,7 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
         model=settings.model, served_model_name=settings.model_name, role=settings.role,
         dtype=settings.dtype, device=device, kv_cache_dtype=settings.kv_cache_dtype, kv=kv,
         scheduler=scheduler, num_threads=settings.num_threads, kernels=settings.kernels,
-        cache_dir=settings.cache_dir,
+        cache_dir=settings.cache_dir, disk_cache_dir=settings.disk_cache_dir, disk_cache_size=settings.disk_cache_size,
     )
 
 
@@ -109,7 +110,25 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
         background.cancel()
         watching.cancel()
         await close_role(parts)
+        await spill_host_tier(engine, settings.drain_timeout_s)
         engine.stop()
+
+
+async def spill_host_tier(engine: ThreadedEngine, timeout_s: float) -> None:
+    """At a graceful stop, write the host tier's keepable blocks to the disk tier (bounded)."""
+    def spill(llm) -> int:
+        moves = llm.kv.spill_host_tier()
+        if moves:
+            llm.tier_store.apply(moves)
+        return len(moves)
+
+    if engine.engine.kv.disk is None:
+        return
+    try:
+        written = await engine.call(spill, engine.engine, timeout_s=timeout_s)
+        log.info("disk KV tier: wrote %d host-tier blocks before stopping", written)
+    except (TimeoutError, asyncio.TimeoutError):
+        log.warning("disk KV tier: the host tier was not written within %g s", timeout_s)
 
 
 def check_ports(settings: WorkerSettings) -> None:

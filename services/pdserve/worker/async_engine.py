@@ -318,6 +318,10 @@ class ThreadedEngine:
             num_host_blocks=kv.host.num_slots if kv.host else 0,
             num_host_cached_blocks=len(kv.host.entries) if kv.host else 0,
             num_offloaded_blocks=kv.num_offloaded_blocks, num_onboarded_blocks=kv.num_onboarded_blocks,
+            num_disk_blocks=kv.disk.num_slots if kv.disk else 0,
+            num_disk_cached_blocks=len(kv.disk.entries) if kv.disk else 0,
+            num_spilled_blocks=kv.num_spilled_blocks, num_loaded_blocks=kv.num_loaded_blocks,
+            num_corrupt_disk_blocks=kv.num_corrupt_disk_blocks,
         )
 
 

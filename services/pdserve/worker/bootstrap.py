@@ -16,11 +16,15 @@ from pdserve.models.tokenizer import load_tokenizer
 from pdserve.engine.model.kv_tensor import bytes_per_block, kv_storage_dtype
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.model.host_store import HostKvStore
+from pdserve.transfer.disk_store import DiskKvStore
+from pdserve.transfer.kv_files import BlockFiles, fingerprint
+from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.engine.model.runner import ModelRunner
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device, resolve_dtype
 from pdserve.kvcache import HASH_ALGORITHM, KvCacheConfig, KvCacheManager
 from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.worker.kv_tiers import KvTierStore, adopt_disk_blocks
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ class EngineSpec:
     num_threads: int | None = None
     kernels: str = "auto"  # auto | native | torch (see ModelRunner.load)
     cache_dir: str | None = None  # keeps GGUF conversions (weights, tokenizer); None: no cache
+    disk_cache_dir: str | None = None  # the disk KV tier's folder (below the host tier); None: no disk tier
+    disk_cache_size: int = 4 << 30
 
 
 def build_llm_engine(spec: EngineSpec) -> LLMEngine:
@@ -59,15 +65,42 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
                               tokens_per_block=spec.kv.tokens_per_block, kv_cache_dtype=spec.kv_cache_dtype,
                               cache_dir=spec.cache_dir, kernels=spec.kernels)
     tokenizer = load_tokenizer(spec.model, spec.cache_dir)
+    store = _tier_store(spec, runner, per_block)
+    num_disk_blocks = spec.disk_cache_size // per_block if store is not None and store.disk is not None else 0
+    kv = KvCacheManager(spec.kv, num_blocks, num_host_blocks=store.host.slots.shape[0] if store else 0,
+                        num_disk_blocks=num_disk_blocks, disk_verifier=store.verify if num_disk_blocks else None)
+    if store is not None:
+        adopt_disk_blocks(kv, store)
+    return LLMEngine(runner, kv, tokenizer, spec.scheduler, tier_store=store)
+
+
+def _tier_store(spec: EngineSpec, runner: ModelRunner, per_block: int) -> KvTierStore | None:
+    """The host tier's slots and the disk tier's files, as the settings ask; None without a host tier."""
     num_host_blocks = spec.kv.host_cache_size // per_block
     if spec.kv.host_cache_size and not num_host_blocks:
         raise ConfigError("host_cache_size", spec.kv.host_cache_size, f"smaller than one KV block ({per_block} bytes)")
-    host_store = HostKvStore(runner.kv_tensor, num_host_blocks) if num_host_blocks else None
-    if host_store is not None:
-        log.info("host KV tier: %d blocks (%.0f MiB) beside %d device blocks", num_host_blocks,
-                 host_store.num_bytes / 2**20, num_blocks)
-    kv = KvCacheManager(spec.kv, num_blocks, num_host_blocks=num_host_blocks)
-    return LLMEngine(runner, kv, tokenizer, spec.scheduler, host_store=host_store)
+    if not num_host_blocks:
+        return None
+    host = HostKvStore(runner.kv_tensor, num_host_blocks)
+    log.info("host KV tier: %d blocks (%.0f MiB)", num_host_blocks, host.num_bytes / 2**20)
+    if not spec.disk_cache_dir:
+        return KvTierStore(runner.kv_tensor, host)
+    if spec.disk_cache_size < per_block:
+        raise ConfigError("disk_cache_size", spec.disk_cache_size, f"smaller than one KV block ({per_block} bytes)")
+    identity = {"layout": KvLayoutSpec.for_tensor(spec.served_model_name, runner.kv_tensor).to_dict(),
+                "block_keys": HASH_ALGORITHM, "weights": weights_fingerprint(spec.model)}
+    files = BlockFiles(spec.disk_cache_dir, fingerprint(identity), per_block)
+    log.info("disk KV tier: up to %d blocks in %s", spec.disk_cache_size // per_block, files.folder)
+    return KvTierStore(runner.kv_tensor, host, DiskKvStore(files, host.slots, f"{spec.served_model_name}-{os.getpid()}"))
+
+
+def weights_fingerprint(model: str) -> list[tuple[str, int, int]]:
+    """The model's files by name, size and modification time: blocks from other weights never match."""
+    path = os.path.abspath(model)
+    paths = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, name) for name in os.listdir(path)
+        if name.endswith((".safetensors", ".gguf", ".bin", ".json")))
+    return [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
 
 
 def cpu_summary(engine: LLMEngine, runtime: dict[str, str]) -> str:

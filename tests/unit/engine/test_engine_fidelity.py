@@ -33,7 +33,7 @@ def _engine(checkpoint, num_blocks=64, budget=512, reuse=True, kernels="auto", h
     kv = KvCacheManager(KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK, enable_block_reuse=reuse), num_blocks,
                         num_host_blocks=host_blocks)
     store = HostKvStore(runner.kv_tensor, host_blocks) if host_blocks else None
-    return LLMEngine(runner, kv, CharTokenizer(), SchedulerConfig(8, budget, 64), host_store=store)
+    return LLMEngine(runner, kv, CharTokenizer(), SchedulerConfig(8, budget, 64), tier_store=store)
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[int]]:

@@ -17,9 +17,10 @@ class FakeClock:
 
 
 def make_manager(num_blocks: int = 8, tokens_per_block: int = 4, clock: FakeClock | None = None,
-                 num_host_blocks: int = 0, **config) -> KvCacheManager:
+                 num_host_blocks: int = 0, num_disk_blocks: int = 0, disk_verifier=None, **config) -> KvCacheManager:
     cfg = KvCacheConfig(tokens_per_block=tokens_per_block, **config)
-    return KvCacheManager(cfg, num_blocks, clock=clock or FakeClock(), num_host_blocks=num_host_blocks)
+    return KvCacheManager(cfg, num_blocks, clock=clock or FakeClock(), num_host_blocks=num_host_blocks,
+                          num_disk_blocks=num_disk_blocks, disk_verifier=disk_verifier)
 
 
 def make_request(request_id: str, tokens: Sequence[int], *, priorities: Sequence[tuple] = (), **kw) -> CacheRequest:

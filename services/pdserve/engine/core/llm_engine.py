@@ -21,7 +21,7 @@ from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, Ou
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
-from pdserve.engine.model.host_store import HostKvStore
+from pdserve.engine.model.host_store import TierStore
 from pdserve.engine.model.sampler import Sampler, SamplingRow, check_sampling_params, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
@@ -38,10 +38,10 @@ class LLMEngine:
     """Owns the sequences of every live request; not thread-safe (one thread drives it)."""
 
     def __init__(self, runner, kv: KvCacheManager, tokenizer, config: SchedulerConfig, sampler: Sampler | None = None,
-                 clock: Callable[[], float] = time.monotonic, host_store: HostKvStore | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, tier_store: TierStore | None = None) -> None:
         self.runner = runner
         self.kv = kv
-        self.host_store = host_store
+        self.tier_store = tier_store
         self.tokenizer = tokenizer
         self.config = config
         self.scheduler = Scheduler(config, kv)
@@ -109,8 +109,8 @@ class LLMEngine:
     def _move_between_tiers(self) -> None:
         moves = self.kv.drain_tier_moves()
         if moves:
-            assert self.host_store is not None, "a host tier in the KV cache manager needs a host store"
-            self.host_store.apply(moves)
+            assert self.tier_store is not None, "lower tiers in the KV cache manager need a tier store"
+            self.tier_store.apply(moves)
 
     # ---- KV handoff between a prefill and a decode worker ----------------------------------------
 

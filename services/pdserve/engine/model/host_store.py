@@ -1,10 +1,17 @@
 """The host tier's bytes: one KV block per slot, in host memory (pinned when the device is CUDA),
 and the copies between it and the device KV tensor that the KV cache manager queues."""
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from pdserve.kvcache.host_tier import MoveKind, TierMove
+from pdserve.kvcache.lower_tier import MoveKind, TierMove
+
+
+class TierStore(Protocol):
+    """What makes the KV cache manager's moves between tiers (`KvCacheManager.drain_tier_moves`)."""
+
+    def apply(self, moves: Sequence[TierMove]) -> None: ...
 
 
 class HostKvStore:
@@ -25,5 +32,7 @@ class HostKvStore:
             for move in moves:
                 if move.kind is MoveKind.OFFLOAD:
                     self.slots[move.slot].copy_(self.kv_tensor[move.block_id])
-                else:
+                elif move.kind is MoveKind.ONBOARD:
                     self.kv_tensor[move.block_id].copy_(self.slots[move.slot], non_blocking=True)
+                else:
+                    raise ValueError(f"{move.kind} is no host-tier move")

@@ -72,6 +72,8 @@ class WorkerStatsCollector(Collector):
             "pdserve_kv_blocks_total": ("KV blocks in the worker's pool", stats.num_total_blocks),
             "pdserve_kv_host_blocks": ("KV blocks the host tier can hold", stats.num_host_blocks),
             "pdserve_kv_host_cached_blocks": ("KV blocks held in the host tier", stats.num_host_cached_blocks),
+            "pdserve_kv_disk_blocks": ("KV blocks the disk tier can hold", stats.num_disk_blocks),
+            "pdserve_kv_disk_cached_blocks": ("KV blocks held in the disk tier", stats.num_disk_cached_blocks),
         }
         counters = {
             "pdserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
@@ -82,6 +84,10 @@ class WorkerStatsCollector(Collector):
                                             stats.num_offloaded_blocks),
             "pdserve_kv_onboarded_blocks": ("KV blocks copied back from the host tier (prefix hits there)",
                                             stats.num_onboarded_blocks),
+            "pdserve_kv_spilled_blocks": ("KV blocks written from the host tier to disk", stats.num_spilled_blocks),
+            "pdserve_kv_loaded_blocks": ("KV blocks read back from disk (prefix hits there)", stats.num_loaded_blocks),
+            "pdserve_kv_disk_corrupt_blocks": ("Disk block files that failed their checksum (used as misses)",
+                                               stats.num_corrupt_disk_blocks),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -1,10 +1,11 @@
-"""The host tier's bookkeeping: blocks the device evicts move down by priority, prefixes continue
-into the tier, phase 2 of the claim onboards them, and the queued copies, made in order, leave
-every cached block holding its own key's KV (checked against a model of the bytes)."""
+"""The lower tiers' bookkeeping: blocks the device evicts move down to the host tier by priority,
+and on to the disk tier; prefixes continue into them, phase 2 of the claim onboards them, and the
+queued copies, made in order, leave every cached block holding its own key's KV (checked against
+a model of the bytes)."""
 import random
 
 from pdserve.kvcache import BlockRemoved, BlockStored, BlockUpdated, Tier
-from pdserve.kvcache.host_tier import MoveKind
+from pdserve.kvcache.lower_tier import MoveKind
 from tests.unit.kvcache.conftest import make_manager, make_request, run_to_completion
 
 
@@ -14,14 +15,21 @@ class Bytes:
     def __init__(self) -> None:
         self.device: dict[int, bytes] = {}
         self.host: dict[int, bytes] = {}
+        self.disk: dict[bytes, bytes] = {}  # file of a key -> what it holds
 
-    def apply(self, manager) -> list:
-        moves = manager.drain_tier_moves()
+    def apply(self, manager, moves: list | None = None) -> list:
+        moves = manager.drain_tier_moves() if moves is None else moves
         for move in moves:
             if move.kind is MoveKind.OFFLOAD:
                 self.host[move.slot] = self.device.get(move.block_id)
-            else:
+            elif move.kind is MoveKind.ONBOARD:
                 self.device[move.block_id] = self.host.get(move.slot)
+            elif move.kind is MoveKind.SPILL:
+                self.disk[move.block_hash] = self.host.get(move.slot)
+            elif move.kind is MoveKind.LOAD:
+                self.device[move.block_id] = self.disk.get(move.block_hash)
+            else:
+                self.disk.pop(move.block_hash, None)
         return moves
 
     def check(self, manager) -> None:
@@ -29,9 +37,13 @@ class Bytes:
             assert self.device.get(block.block_id) == block_hash, f"device block {block.block_id}"
         for block_hash, entry in manager.host.entries.items():
             assert self.host.get(entry.slot) == block_hash, f"host slot {entry.slot}"
+        if manager.disk is not None:
+            for block_hash in manager.disk.entries:
+                assert self.disk.get(block_hash) == block_hash, "disk file"
+            assert set(self.disk) == set(manager.disk.entries)  # deleted files are gone
 
 
-def serve(manager, data: Bytes, request) -> int:
+def serve(manager, data: "Bytes", request) -> int:
     """Claim, make the copies, compute (write) the rest, publish, free; the cached tokens."""
     claim = manager.add_sequence(request)
     data.apply(manager)
@@ -148,3 +160,56 @@ def test_random_traffic_keeps_every_cached_block_holding_its_own_kv():
         priorities = [(0, len(prompt), rng.choice([10, 35, 80]))] if rng.random() < 0.3 else []
         serve(m, data, make_request(f"r{i}", prompt, priorities=priorities))
     assert m.num_onboarded_blocks > 20 and m.num_offloaded_blocks > 20
+
+
+def test_random_traffic_through_three_tiers_keeps_every_cached_block_holding_its_own_kv():
+    rng = random.Random(1)
+    prefixes = [list(range(1000 * p, 1000 * p + 12)) for p in range(10)]
+    m, data = make_manager(num_blocks=6, num_host_blocks=4, num_disk_blocks=8), Bytes()
+    for i in range(500):
+        prompt = rng.choice(prefixes)[: rng.randint(1, 12)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 6))]
+        priorities = [(0, len(prompt), rng.choice([10, 35, 80]))] if rng.random() < 0.3 else []
+        serve(m, data, make_request(f"r{i}", prompt, priorities=priorities))
+    assert m.num_spilled_blocks > 10 and m.num_loaded_blocks > 10
+
+
+def test_a_block_the_host_tier_lets_go_moves_to_disk_and_comes_back_from_there():
+    m, data = make_manager(num_blocks=2, num_host_blocks=1, num_disk_blocks=4), Bytes()
+    first = make_request("first", range(5))
+    serve(m, data, first)
+    for i in range(1, 4):  # each pushes the previous block down: device -> host -> disk
+        serve(m, data, make_request(f"r{i}", range(100 * i, 100 * i + 5)))
+    key = first.block_hashes(4)[0]
+    assert key in m.disk and key not in m.host and key not in m.pool.cached
+    assert dict(m.cached_blocks_by_tier())[key] == Tier.DISK
+    analysis = m.analyze_prefix_reuse(make_request("again", range(5)))
+    assert (analysis.num_cached_tokens, analysis.num_cached_by_tier) == (4, (0, 0, 1))
+    assert serve(m, data, make_request("again", range(5))) == 4
+    assert m.num_loaded_blocks == 1
+
+
+def test_blocks_found_on_disk_at_start_are_announced_and_a_corrupt_one_is_a_miss():
+    corrupt = set()
+    m = make_manager(num_blocks=4, num_host_blocks=2, num_disk_blocks=4, disk_verifier=lambda h: h not in corrupt)
+    good, bad = make_request("good", range(5)), make_request("bad", range(100, 105))
+    (good_key,), (bad_key,) = good.block_hashes(4)[:1], bad.block_hashes(4)[:1]
+    corrupt.add(bad_key)
+    assert m.adopt_disk_blocks([(good_key, None, 35), (bad_key, None, 35)]) == 2
+    events = m.drain_events()
+    assert [(type(e), e.tier) for e in events] == [(BlockStored, Tier.DISK)] * 2
+    data = Bytes()
+    data.disk = {good_key: good_key, bad_key: b"garbage"}
+    assert serve(m, data, make_request("bad2", range(100, 105))) == 0  # a miss, never the corrupt bytes
+    assert (m.num_corrupt_disk_blocks, bad_key in m.disk, bad_key in data.disk) == (1, False, False)
+    assert [(type(e), e.tier) for e in m.drain_events() if isinstance(e, BlockRemoved)] == [(BlockRemoved, Tier.DISK)]
+    assert serve(m, data, make_request("good2", range(5))) == 4
+
+
+def test_a_graceful_stop_writes_the_host_tier_to_disk():
+    m, data = make_manager(num_blocks=2, num_host_blocks=2, num_disk_blocks=4), Bytes()
+    for i in range(3):
+        serve(m, data, make_request(f"r{i}", range(100 * i, 100 * i + 5)))
+    assert len(m.host.entries) == 2 and not m.disk.entries
+    data.apply(m, m.spill_host_tier())
+    assert set(m.disk.entries) == set(m.host.entries)
+    data.check(m)

@@ -1,7 +1,8 @@
-"""The host KV tier through `pdserve serve` (tiny checkpoint, a device cache of 512 tokens, 1 MiB of
-host tier): a prompt pushed out of the device cache by others comes back from the host tier as
+"""The lower KV tiers through `pdserve serve` (tiny checkpoint, a device cache of 512 tokens, 1 MiB
+of host tier): a prompt pushed out of the device cache by others comes back from the host tier as
 cached tokens, with the same greedy text; disaggregated, the decode worker's host hit means the
-prefill worker sends nothing for it."""
+prefill worker sends nothing for it. With a disk tier, blocks survive a restart of serve: the
+stopping worker writes its host tier to disk, and the new one finds them there."""
 import subprocess
 import sys
 import time
@@ -27,12 +28,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def start_serve(checkpoint: Path, directory: Path, *topology: str) -> tuple[subprocess.Popen, str, str]:
+def start_serve(checkpoint: Path, directory: Path, *topology: str,
+                host_cache: str = "1MiB") -> tuple[subprocess.Popen, str, str]:
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(checkpoint), "--port", str(port),
             "--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--max-kv-tokens", "512",
-            "--host-cache-size", "1MiB", "--cache-dir", "", "--startup-timeout", "150", *topology]
+            "--host-cache-size", host_cache, "--cache-dir", "", "--startup-timeout", "150", *topology]
     with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
         process = subprocess.Popen(argv, stdout=out, stderr=err)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -83,6 +85,28 @@ def test_a_prompt_pushed_out_of_the_device_cache_comes_back_from_the_host_tier(c
         assert metric(url, "pdserve_kv_onboarded_blocks_total", 4) >= 4
         if not topology:  # the decode worker had it: nothing to prefill remotely, nothing to send
             assert route["prefilled_by"] == "local", route
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def test_blocks_written_to_disk_at_a_graceful_stop_are_found_after_a_restart(checkpoint: Path, tmp_path: Path) -> None:
+    disk = tmp_path / "kv-disk"
+    flags = ("--aggregated", "--disk-cache-dir", str(disk), "--disk-cache-size", "8MiB")
+    process, url, _ = start_serve(checkpoint, tmp_path / "first", *flags)
+    try:
+        first, _, _ = complete(url, PROMPT)
+        for prompt in FLUSH:  # the prompt's blocks move down to the host tier
+            complete(url, prompt)
+    finally:
+        process.terminate()  # a graceful stop: the worker writes its host tier to disk
+        assert process.wait(60) == 0
+    assert len(list(disk.rglob("*.kv"))) >= 5
+    process, url, _ = start_serve(checkpoint, tmp_path / "second", *flags)
+    try:
+        again, cached, _ = complete(url, PROMPT)
+        assert (again, cached >= 64) == (first, True)
+        assert metric(url, "pdserve_kv_loaded_blocks_total", 4) >= 4
     finally:
         process.terminate()
         process.wait(60)

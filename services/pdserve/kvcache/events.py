@@ -30,12 +30,13 @@ class BlockRemoved:
 
 @dataclass(frozen=True, slots=True)
 class BlockUpdated:
-    """A cached block moved tier and/or changed retention priority."""
+    """A cached block moved tier (from `old_tier` to `tier`) and/or changed retention priority."""
 
     seq: int
     block_hash: BlockHash
     tier: Tier
     priority: int
+    old_tier: Tier | None = None  # None: the tier did not change
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +65,8 @@ class EventBuffer:
     def removed(self, hashes: list[BlockHash], tier: Tier) -> None:
         self._push(BlockRemoved(self._take_seq(), tuple(hashes), tier))
 
-    def updated(self, block_hash: BlockHash, tier: Tier, priority: int) -> None:
-        self._push(BlockUpdated(self._take_seq(), block_hash, tier, priority))
+    def updated(self, block_hash: BlockHash, tier: Tier, priority: int, old_tier: Tier | None = None) -> None:
+        self._push(BlockUpdated(self._take_seq(), block_hash, tier, priority, old_tier))
 
     def cleared(self) -> None:
         self._push(AllCleared(self._take_seq()))

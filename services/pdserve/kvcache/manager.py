@@ -392,7 +392,8 @@ class KvCacheManager:
             tier = self.host if in_host else self.disk
             entry = self._lower_entry(block_hash)  # pinned since phase 1
             parent = (matched + blocks)[-1] if matched or blocks else None
-            self.pool.publish(block, block_hash, parent, entry.priority, None, request.lora_id, onboarded=True)
+            self.pool.publish(block, block_hash, parent, entry.priority, None, request.lora_id,
+                              onboarded=Tier.HOST if in_host else Tier.DISK)
             kind = MoveKind.ONBOARD if in_host else MoveKind.LOAD
             self.pool.moves.append(TierMove(kind, block.block_id, entry.slot if in_host else -1, block_hash))
             tier.touch(block_hash)  # type: ignore[union-attr]

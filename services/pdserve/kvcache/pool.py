@@ -85,9 +85,9 @@ class BlockPool:
         return taken
 
     def publish(self, block: KvBlock, block_hash: BlockHash, parent: KvBlock | None, priority: int, expires_at: float | None,
-                lora_id: int | None, onboarded: bool = False) -> None:
+                lora_id: int | None, onboarded: Tier | None = None) -> None:
         """Make an in-use block findable by `block_hash` (its KV must already be written, or, when
-        `onboarded`, be copied from the host tier by a move queued before any reader)."""
+        `onboarded` from a lower tier, be copied from it by a move queued before any reader)."""
         block.block_hash = block_hash
         block.parent = parent
         block.priority = priority
@@ -97,8 +97,8 @@ class BlockPool:
             parent.num_children += 1
         self.cached[block_hash] = block
         self.queue.watch_expiry(block)
-        if onboarded:
-            self.events.updated(block_hash, Tier.DEVICE, priority)
+        if onboarded is not None:
+            self.events.updated(block_hash, Tier.DEVICE, priority, onboarded)
         else:
             self.events.stored([block_hash], parent.block_hash if parent else None, block.tier, priority, lora_id)
 
@@ -174,7 +174,7 @@ class BlockPool:
             on_disk = True
         if block_hash not in self.cached:  # the device does not hold it either
             if on_disk:
-                self.events.updated(block_hash, Tier.DISK, entry.priority)
+                self.events.updated(block_hash, Tier.DISK, entry.priority, Tier.HOST)
             else:
                 self.events.removed([block_hash], Tier.HOST)
 
@@ -182,7 +182,7 @@ class BlockPool:
         assert block.block_hash is not None
         del self.cached[block.block_hash]
         if kept_in is not None:
-            self.events.updated(block.block_hash, kept_in, block.priority)
+            self.events.updated(block.block_hash, kept_in, block.priority, Tier.DEVICE)
         else:
             self.events.removed([block.block_hash], block.tier)
         parent = block.parent

@@ -54,7 +54,8 @@ def event_to_proto(event: KvEvent) -> pb.KvEvent:
         return pb.KvEvent(seq=event.seq, removed=removed)
     if isinstance(event, BlockUpdated):
         updated = pb.BlockUpdated(block_hash=event.block_hash, tier=_TIER_TO_PROTO[event.tier],
-                                  priority=event.priority)
+                                  priority=event.priority,
+                                  old_tier=_TIER_TO_PROTO[event.old_tier] if event.old_tier is not None else 0)
         return pb.KvEvent(seq=event.seq, updated=updated)
     return pb.KvEvent(seq=event.seq, cleared=pb.AllCleared())
 
@@ -71,7 +72,8 @@ def event_from_proto(msg: pb.KvEvent) -> KvEvent:
         return BlockRemoved(msg.seq, tuple(BlockHash(h) for h in r.block_hashes), _tier_from_proto(r.tier))
     if kind == "updated":
         u = msg.updated
-        return BlockUpdated(msg.seq, BlockHash(u.block_hash), _tier_from_proto(u.tier), u.priority)
+        old_tier = _tier_from_proto(u.old_tier) if u.old_tier else None
+        return BlockUpdated(msg.seq, BlockHash(u.block_hash), _tier_from_proto(u.tier), u.priority, old_tier)
     if kind == "cleared":
         return AllCleared(msg.seq)
     raise WorkerError(f"worker sent KV event seq={msg.seq} with no kind this router knows")

@@ -65,13 +65,15 @@ def test_an_evicted_block_moves_down_and_a_prefix_hit_comes_back_from_the_host()
     m.drain_events()
     assert serve(m, data, make_request("b", range(100, 109))) == 0  # evicts a's two blocks
     moved = [e for e in m.drain_events() if isinstance(e, BlockUpdated)]
-    assert [(e.tier, e.block_hash) for e in moved] == [(Tier.HOST, h) for h in a.block_hashes(4)[:2][::-1]]
+    assert [(e.old_tier, e.tier, e.block_hash) for e in moved] == [
+        (Tier.DEVICE, Tier.HOST, h) for h in a.block_hashes(4)[:2][::-1]]
     analysis = m.analyze_prefix_reuse(make_request("a2", range(9)))
     assert (analysis.num_cached_tokens, analysis.num_onboard_blocks, analysis.num_cached_by_tier) == (8, 2, (0, 2, 0))
     assert serve(m, data, make_request("a2", range(9))) == 8  # cached tokens count every tier
     events = m.drain_events()
-    assert [(e.tier, e.block_hash) for e in events if isinstance(e, BlockUpdated) and e.tier is Tier.DEVICE] == [
-        (Tier.DEVICE, h) for h in a.block_hashes(4)[:2]]
+    assert [(e.old_tier, e.tier, e.block_hash) for e in events
+            if isinstance(e, BlockUpdated) and e.tier is Tier.DEVICE] == [(Tier.HOST, Tier.DEVICE, h)
+                                                                          for h in a.block_hashes(4)[:2]]
     assert not [e for e in events if isinstance(e, BlockStored) and e.block_hashes[0] in a.block_hashes(4)[:2]]
     assert (m.num_offloaded_blocks, m.num_onboarded_blocks) == (4, 2)  # b's blocks moved down to make room
 

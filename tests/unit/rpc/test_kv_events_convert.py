@@ -17,7 +17,7 @@ events = st.one_of(
     st.builds(BlockStored, seqs, st.lists(hashes, max_size=3).map(tuple), st.none() | hashes, tiers, priorities,
               st.none() | st.integers(-(2**63), 2**63 - 1)),
     st.builds(BlockRemoved, seqs, st.lists(hashes, max_size=3).map(tuple), tiers),
-    st.builds(BlockUpdated, seqs, hashes, tiers, priorities),
+    st.builds(BlockUpdated, seqs, hashes, tiers, priorities, st.none() | tiers),
     st.builds(AllCleared, seqs),
 )
 

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/kv_events.proto\x12\npdserve.v1\"\xa8\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12%\n\x04tier\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.StorageTier\x12\x10\n\x08priority\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x42\x0e\n\x0c_parent_hashB\n\n\x08_lora_id\"K\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12%\n\x04tier\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.StorageTier\"[\n\x0c\x42lockUpdated\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12%\n\x04tier\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.StorageTier\x12\x10\n\x08priority\x18\x03 \x01(\r\"\x0c\n\nAllCleared\"\xce\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.BlockRemovedH\x00\x12+\n\x07updated\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.BlockUpdatedH\x00\x12)\n\x07\x63leared\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.AllClearedH\x00\x42\x06\n\x04kind\"\x12\n\x10SubscribeRequest\"B\n\x0cKvEventBatch\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12#\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x13.pdserve.v1.KvEvent\"\x11\n\x0fSnapshotRequest\"H\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12%\n\x04tier\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.StorageTier\"\\\n\x10SnapshotResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.CachedBlock*r\n\x0bStorageTier\x12\x1c\n\x18STORAGE_TIER_UNSPECIFIED\x10\x00\x12\x17\n\x13STORAGE_TIER_DEVICE\x10\x01\x12\x15\n\x11STORAGE_TIER_HOST\x10\x02\x12\x15\n\x11STORAGE_TIER_DISK\x10\x03\x32\x98\x01\n\x08KvEvents\x12\x45\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x12\x45\n\x08Snapshot\x12\x1b.pdserve.v1.SnapshotRequest\x1a\x1c.pdserve.v1.SnapshotResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/kv_events.proto\x12\npdserve.v1\"\xa8\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12%\n\x04tier\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.StorageTier\x12\x10\n\x08priority\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x42\x0e\n\x0c_parent_hashB\n\n\x08_lora_id\"K\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12%\n\x04tier\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.StorageTier\"\x86\x01\n\x0c\x42lockUpdated\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12%\n\x04tier\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.StorageTier\x12\x10\n\x08priority\x18\x03 \x01(\r\x12)\n\x08old_tier\x18\x04 \x01(\x0e\x32\x17.pdserve.v1.StorageTier\"\x0c\n\nAllCleared\"\xce\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.BlockRemovedH\x00\x12+\n\x07updated\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.BlockUpdatedH\x00\x12)\n\x07\x63leared\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.AllClearedH\x00\x42\x06\n\x04kind\"\x12\n\x10SubscribeRequest\"B\n\x0cKvEventBatch\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12#\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x13.pdserve.v1.KvEvent\"\x11\n\x0fSnapshotRequest\"H\n\x0b\x43\x61\x63hedBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12%\n\x04tier\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.StorageTier\"\\\n\x10SnapshotResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.CachedBlock*r\n\x0bStorageTier\x12\x1c\n\x18STORAGE_TIER_UNSPECIFIED\x10\x00\x12\x17\n\x13STORAGE_TIER_DEVICE\x10\x01\x12\x15\n\x11STORAGE_TIER_HOST\x10\x02\x12\x15\n\x11STORAGE_TIER_DISK\x10\x03\x32\x98\x01\n\x08KvEvents\x12\x45\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x12\x45\n\x08Snapshot\x12\x1b.pdserve.v1.SnapshotRequest\x1a\x1c.pdserve.v1.SnapshotResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STORAGETIER']._serialized_start=881
-  _globals['_STORAGETIER']._serialized_end=995
+  _globals['_STORAGETIER']._serialized_start=925
+  _globals['_STORAGETIER']._serialized_end=1039
   _globals['_BLOCKSTORED']._serialized_start=43
   _globals['_BLOCKSTORED']._serialized_end=211
   _globals['_BLOCKREMOVED']._serialized_start=213
   _globals['_BLOCKREMOVED']._serialized_end=288
-  _globals['_BLOCKUPDATED']._serialized_start=290
-  _globals['_BLOCKUPDATED']._serialized_end=381
-  _globals['_ALLCLEARED']._serialized_start=383
-  _globals['_ALLCLEARED']._serialized_end=395
-  _globals['_KVEVENT']._serialized_start=398
-  _globals['_KVEVENT']._serialized_end=604
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=606
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=624
-  _globals['_KVEVENTBATCH']._serialized_start=626
-  _globals['_KVEVENTBATCH']._serialized_end=692
-  _globals['_SNAPSHOTREQUEST']._serialized_start=694
-  _globals['_SNAPSHOTREQUEST']._serialized_end=711
-  _globals['_CACHEDBLOCK']._serialized_start=713
-  _globals['_CACHEDBLOCK']._serialized_end=785
-  _globals['_SNAPSHOTRESPONSE']._serialized_start=787
-  _globals['_SNAPSHOTRESPONSE']._serialized_end=879
-  _globals['_KVEVENTS']._serialized_start=998
-  _globals['_KVEVENTS']._serialized_end=1150
+  _globals['_BLOCKUPDATED']._serialized_start=291
+  _globals['_BLOCKUPDATED']._serialized_end=425
+  _globals['_ALLCLEARED']._serialized_start=427
+  _globals['_ALLCLEARED']._serialized_end=439
+  _globals['_KVEVENT']._serialized_start=442
+  _globals['_KVEVENT']._serialized_end=648
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=650
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=668
+  _globals['_KVEVENTBATCH']._serialized_start=670
+  _globals['_KVEVENTBATCH']._serialized_end=736
+  _globals['_SNAPSHOTREQUEST']._serialized_start=738
+  _globals['_SNAPSHOTREQUEST']._serialized_end=755
+  _globals['_CACHEDBLOCK']._serialized_start=757
+  _globals['_CACHEDBLOCK']._serialized_end=829
+  _globals['_SNAPSHOTRESPONSE']._serialized_start=831
+  _globals['_SNAPSHOTRESPONSE']._serialized_end=923
+  _globals['_KVEVENTS']._serialized_start=1042
+  _globals['_KVEVENTS']._serialized_end=1194
 # @@protoc_insertion_point(module_scope)

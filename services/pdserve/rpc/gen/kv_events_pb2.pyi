@@ -41,14 +41,16 @@ class BlockRemoved(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[StorageTier, str]] = ...) -> None: ...
 
 class BlockUpdated(_message.Message):
-    __slots__ = ("block_hash", "tier", "priority")
+    __slots__ = ("block_hash", "tier", "priority", "old_tier")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    OLD_TIER_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     tier: StorageTier
     priority: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., tier: _Optional[_Union[StorageTier, str]] = ..., priority: _Optional[int] = ...) -> None: ...
+    old_tier: StorageTier
+    def __init__(self, block_hash: _Optional[bytes] = ..., tier: _Optional[_Union[StorageTier, str]] = ..., priority: _Optional[int] = ..., old_tier: _Optional[_Union[StorageTier, str]] = ...) -> None: ...
 
 class AllCleared(_message.Message):
     __slots__ = ()

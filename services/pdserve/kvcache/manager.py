@@ -140,6 +140,24 @@ class KvCacheManager:
         self.num_loaded_blocks += sum(1 for m in moves if m.kind is MoveKind.LOAD)
         return moves
 
+    def discard_unreadable(self, block_id: BlockId) -> None:
+        """A block whose copy back from a lower tier failed: no longer findable under its key (its
+        holders must recompute it), and its disk file, if that was the source, counted as corrupt
+        and deleted."""
+        block = self.pool.blocks[block_id]
+        block_hash = block.block_hash
+        if block_hash is None:
+            return
+        self.pool.forget(block)
+        if self.disk is not None and block_hash in self.disk and (self.host is None or block_hash not in self.host):
+            self.disk.remove(block_hash)
+            self.num_corrupt_disk_blocks += 1
+            self.pool.moves.append(TierMove(MoveKind.DELETE, BlockId(-1), -1, block_hash))
+
+    def holders_of(self, block_ids: set[BlockId]) -> list[RequestId]:
+        """The sequences holding any of `block_ids`."""
+        return [rid for rid, seq in self._seqs.items() if any(b.block_id in block_ids for b in seq.blocks)]
+
     def adopt_disk_blocks(self, blocks: Sequence[tuple[BlockHash, BlockHash | None, int]]) -> int:
         """Take over blocks found on disk at start, (key, parent key, priority) each, parents
         first: each is announced (`stored`, tier DISK) and checked at its first hit. Stops when the

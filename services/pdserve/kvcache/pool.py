@@ -112,6 +112,20 @@ class BlockPool:
         if block.is_evictable:
             self.queue.push(block)
 
+    def forget(self, block: KvBlock) -> None:
+        """Make an in-use block unfindable (its KV is not what its key says); its owners keep it
+        as a private block until they free it."""
+        if block.num_children:  # its cached children name it as their parent: they go too
+            for child in [b for b in self.blocks if b.parent is block and b.block_hash is not None]:
+                self.forget(child)
+        if block.ref_count == 0:
+            self.num_cached_free -= 1
+            self.queue.invalidate(block)
+            self._uncache(block)
+            self.free_list.append(block)
+            return
+        self._uncache(block)
+
     def clear_cached_free(self) -> None:
         """Evict every cached-free block (prefix-cache reset); in-use blocks are untouched."""
         while self.num_cached_free:

@@ -19,7 +19,7 @@ from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
-from pdserve.common.errors import OutOfBlocksError, WorkerTimeoutError
+from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
 from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,8 @@ class ThreadedEngine:
                         verdict = DecodeVerdict(engine.reserve_remote(request, command.lease_s), None)
                     except OutOfBlocksError:
                         verdict = DecodeVerdict(None, "no_free_blocks")
+                    except TransferError:  # a block of its cached prefix could not be read back
+                        verdict = DecodeVerdict(None, "lower_tier_read_failed")
             if verdict.claim is None:
                 engine.add_request(request)
         except Exception as exc:  # a typed error for the caller, raised in its own loop

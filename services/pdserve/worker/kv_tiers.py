@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.ids import BlockHash
+from pdserve.common.errors import TransferError
+from pdserve.common.ids import BlockHash, BlockId
 from pdserve.engine.model.host_store import HostKvStore
 from pdserve.kvcache import KvCacheManager
 from pdserve.kvcache.lower_tier import MoveKind, TierMove
@@ -25,18 +26,27 @@ class KvTierStore:
     host: HostKvStore
     disk: DiskKvStore | None = None
 
-    def apply(self, moves: Sequence[TierMove]) -> None:
+    def apply(self, moves: Sequence[TierMove]) -> list[BlockId]:
+        """Make the moves in order. A failed disk read leaves its device block listed (the engine
+        has it recomputed); a failed write leaves the block out of the disk tier (a miss later)."""
+        unread = []
         for move in moves:
             if move.kind in (MoveKind.OFFLOAD, MoveKind.ONBOARD):
                 self.host.apply((move,))
                 continue
             assert self.disk is not None and move.block_hash is not None, move
-            if move.kind is MoveKind.SPILL:
-                self.disk.spill(move.slot, move.block_hash, move.parent, move.priority)
-            elif move.kind is MoveKind.LOAD:
-                self.disk.load_into(move.block_hash, self.kv_tensor[move.block_id])
-            else:
-                self.disk.files.delete(move.block_hash)
+            try:
+                if move.kind is MoveKind.SPILL:
+                    self.disk.spill(move.slot, move.block_hash, move.parent, move.priority)
+                elif move.kind is MoveKind.LOAD:
+                    self.disk.load_into(move.block_hash, self.kv_tensor[move.block_id])
+                else:
+                    self.disk.files.delete(move.block_hash)
+            except (OSError, TransferError) as exc:
+                log.warning("disk KV tier: %s of block %s failed: %s", move.kind.value, move.block_hash.hex()[:16], exc)
+                if move.kind is MoveKind.LOAD:
+                    unread.append(move.block_id)
+        return unread
 
     def verify(self, block_hash: BlockHash) -> bool:
         return self.disk is not None and self.disk.files.verify(block_hash)

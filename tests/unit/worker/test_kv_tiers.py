@@ -95,3 +95,15 @@ def test_files_of_other_weights_or_formats_are_left_alone(checkpoint, tmp_path):
     generate(llm, PROMPT, "p")
     push_down(llm)
     assert stranger.read_text() == "not ours" and (other_model / ("ab" * 32 + ".kv")).exists()
+
+
+def test_a_block_file_gone_when_it_is_read_back_is_recomputed_not_served(checkpoint, tmp_path):
+    llm = engine(checkpoint, tmp_path)
+    first, _ = generate(llm, PROMPT, "first")
+    push_down(llm)
+    for path in tmp_path.rglob("*.kv"):  # written by this engine, so trusted without a check: yet gone
+        path.unlink()
+    again, cached = generate(llm, PROMPT, "again")
+    assert again == first
+    assert llm.kv.num_corrupt_disk_blocks >= 1
+    assert llm.kv.num_used_blocks == 0

@@ -17,7 +17,7 @@ import torch
 
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
 from pdserve.engine.core.handoff import Handoffs
-from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError
+from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
@@ -93,7 +93,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
-        self._move_between_tiers()
+        unread = self._move_between_tiers()
+        if unread:
+            chunks = self._recompute_unread(chunks, unread)
         if not chunks:
             return []
         batch = ForwardBatch(tuple(self._seq_chunk(c) for c in chunks))
@@ -106,11 +108,25 @@ class LLMEngine:
                 sampled_rows += [(seq, logits[-1]) for seq in self._siblings_to_sample(chunk.seq)]
         return self._sample_and_emit(sampled_rows)
 
-    def _move_between_tiers(self) -> None:
+    def _move_between_tiers(self) -> set[BlockId]:
+        """Make the queued copies between tiers; the device blocks whose copy back failed, which
+        are no longer findable in the cache (their holders must recompute them)."""
         moves = self.kv.drain_tier_moves()
-        if moves:
-            assert self.tier_store is not None, "lower tiers in the KV cache manager need a tier store"
-            self.tier_store.apply(moves)
+        if not moves:
+            return set()
+        assert self.tier_store is not None, "lower tiers in the KV cache manager need a tier store"
+        unread = set(self.tier_store.apply(moves))
+        for block_id in unread:
+            self.kv.discard_unreadable(block_id)
+        return unread
+
+    def _recompute_unread(self, chunks: list[ScheduledChunk], unread: set[BlockId]) -> list[ScheduledChunk]:
+        """Preempt every running sequence holding a block that could not be read back: it
+        recomputes, and this step runs without it."""
+        holders = set(self.kv.holders_of(unread))
+        for seq in [s for s in self.scheduler.running if s.seq_id in holders]:
+            self.scheduler.preempt(seq)
+        return [c for c in chunks if c.seq.seq_id not in holders]
 
     # ---- KV handoff between a prefill and a decode worker ----------------------------------------
 
@@ -128,7 +144,9 @@ class LLMEngine:
         self._validate(request)
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
         claim = self.kv.add_sequence(seq.cache_request())
-        self._move_between_tiers()  # before a peer writes into the blocks
+        if self._move_between_tiers() & set(claim.block_ids):  # before a peer writes into the blocks
+            self.kv.free(seq.seq_id)
+            raise TransferError(f"a cached block of {request.request_id!r} could not be read back from a lower tier")
         seq.num_computed_tokens = seq.num_cached_tokens = claim.num_cached_tokens
         self.handoffs.reserve(seq, lease_s)
         self._requests[request.request_id] = [seq]

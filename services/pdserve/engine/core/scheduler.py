@@ -88,11 +88,13 @@ class Scheduler:
                 return True
             except OutOfBlocksError:
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 if victim is seq:
                     return False
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it waits first in line and recomputes (reusing the
+        prefix cache)."""
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.status = SeqStatus.WAITING

@@ -5,13 +5,15 @@ from typing import Protocol
 
 import torch
 
+from pdserve.common.ids import BlockId
 from pdserve.kvcache.lower_tier import MoveKind, TierMove
 
 
 class TierStore(Protocol):
     """What makes the KV cache manager's moves between tiers (`KvCacheManager.drain_tier_moves`)."""
 
-    def apply(self, moves: Sequence[TierMove]) -> None: ...
+    def apply(self, moves: Sequence[TierMove]) -> list[BlockId]:
+        """Make the moves in order; the device blocks whose copy back failed (their KV is wrong)."""
 
 
 class HostKvStore:
@@ -26,8 +28,9 @@ class HostKvStore:
     def num_bytes(self) -> int:
         return self.slots.numel() * self.slots.element_size()
 
-    def apply(self, moves: Sequence[TierMove]) -> None:
-        """Make the copies in order (an onboard may read a slot a later offload reuses)."""
+    def apply(self, moves: Sequence[TierMove]) -> list[BlockId]:
+        """Make the copies in order (an onboard may read a slot a later offload reuses); memory
+        copies do not fail, so no block comes back."""
         with torch.inference_mode():
             for move in moves:
                 if move.kind is MoveKind.OFFLOAD:
@@ -36,3 +39,4 @@ class HostKvStore:
                     self.kv_tensor[move.block_id].copy_(self.slots[move.slot], non_blocking=True)
                 else:
                     raise ValueError(f"{move.kind} is no host-tier move")
+        return []

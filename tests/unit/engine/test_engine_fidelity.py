@@ -94,3 +94,20 @@ def test_prefixes_offloaded_to_the_host_tier_and_copied_back_give_the_same_token
     hits, onboarded = engine.kv.num_hit_tokens, engine.kv.num_onboarded_blocks
     assert _generate(engine, PROMPTS, "warm") == expected[kind]
     assert engine.kv.num_onboarded_blocks > onboarded and engine.kv.num_hit_tokens > hits
+
+
+def test_lower_tier_copies_count_against_the_step_budget():
+    from pdserve.engine.core.scheduler import copy_cost_tokens
+
+    assert copy_cost_tokens((3, 0, 0), 16) == 0  # device hits cost nothing
+    assert copy_cost_tokens((0, 4, 0), 16) == 8  # 64 host-tier tokens: an eighth
+    assert copy_cost_tokens((1, 2, 2), 16) == 4 + 8
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_host_tier_hits_under_a_small_step_budget_give_the_same_tokens(checkpoints, expected, kind):
+    engine = _engine(checkpoints[kind], num_blocks=24, host_blocks=64, budget=7)
+    _generate(engine, PROMPTS, "cold")
+    _generate(engine, [prompt(50, 100 + i) for i in range(3)], "flush")
+    assert _generate(engine, PROMPTS, "warm") == expected[kind]
+    assert engine.kv.num_onboarded_blocks > 0

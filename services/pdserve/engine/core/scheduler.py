@@ -4,7 +4,8 @@ Each step: running sequences first (decodes and unfinished prefill chunks), in a
 each taking what the budget allows; when blocks run out the latest arrival is preempted (its
 blocks freed, recomputed later from the prefix cache), so no request is dropped for lack of
 memory. Then waiting sequences are admitted while the budget, `max_num_seqs` and the blocks
-allow, all through one two-phase claim (`add_sequence_batch`).
+allow, all through one two-phase claim (`add_sequence_batch`). A prefix hit in a lower tier is not free:
+its copy back costs a share of the token budget (`copy_cost_tokens`).
 """
 from bisect import insort
 from collections import deque
@@ -12,7 +13,18 @@ from dataclasses import dataclass
 
 from pdserve.common.errors import OutOfBlocksError
 from pdserve.engine.core.sequence import Sequence, SeqStatus
-from pdserve.kvcache import KvCacheManager
+from pdserve.kvcache import KvCacheManager, Tier
+
+# Tokens of the step budget one cached token costs when its block is copied back from a lower
+# tier instead of computed: a block copied back took about a tenth of the time computing it
+# takes on CPU (benchmarks/kv_tiers.py: ~1000-token prompts, 1.09 s computed against 0.09 s
+# copied back from host memory or the page cache); disk may be colder.
+COPY_COST_DIVISOR = {Tier.HOST: 8, Tier.DISK: 4}
+
+
+def copy_cost_tokens(num_cached_by_tier: tuple[int, ...], tokens_per_block: int) -> int:
+    """Budget tokens the copy back of a prefix's lower-tier blocks costs."""
+    return sum(num_cached_by_tier[tier] * tokens_per_block // divisor for tier, divisor in COPY_COST_DIVISOR.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +124,17 @@ class Scheduler:
             seq = self.waiting[0]
             analysis = self.kv.analyze_prefix_reuse(seq.cache_request())
             cached = analysis.num_cached_tokens
-            n = min(len(seq.token_ids) - cached, budget)
+            copy_cost = copy_cost_tokens(analysis.num_cached_by_tier, tpb)
+            if batch and copy_cost >= budget:
+                break  # its copies would take the rest of this step; the next step starts with it
+            n = min(len(seq.token_ids) - cached, max(budget - copy_cost, 1))
             revived = self.kv.num_free_blocks - analysis.num_available_blocks
             need = -(-(cached + n) // tpb) - analysis.num_cached_blocks + analysis.num_onboard_blocks + revived
             if need > blocks_left:
                 break
             self.waiting.popleft()
             blocks_left -= need
-            budget -= n
+            budget = max(budget - n - copy_cost, 0)
             batch.append((seq, n))
             requests.append(seq.cache_request(num_claim_tokens=cached + n))
         if not batch:

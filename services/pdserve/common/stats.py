@@ -69,6 +69,11 @@ class EngineStats:
     num_spilled_blocks: int = 0  # cumulative: host -> disk writes
     num_loaded_blocks: int = 0  # cumulative: disk -> device reads (prefix hits on disk)
     num_corrupt_disk_blocks: int = 0  # cumulative: block files that failed their check (misses)
+    num_host_cached_bytes: int = 0
+    num_disk_cached_bytes: int = 0
+    prefix_cache_host_hit_tokens: int = 0  # cumulative: the part of prefix_cache_hit_tokens from each tier
+    prefix_cache_disk_hit_tokens: int = 0
+    num_dropped_by_priority: int = 0  # cumulative: blocks a lower tier would have kept but for their priority
 
     @property
     def kv_usage(self) -> float:

@@ -95,6 +95,7 @@ class KvCacheManager:
         self._seqs: dict[RequestId, _Sequence] = {}
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.num_hit_tokens_by_tier = [0] * len(Tier)  # where the hits came from
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -255,6 +256,7 @@ class KvCacheManager:
         self._seqs[request.request_id] = seq
         self.num_query_tokens += len(request.token_ids)
         self.num_hit_tokens += num_cached
+        self.num_hit_tokens_by_tier[Tier.DEVICE] += num_cached - len(onboarded) * self.tokens_per_block
         return ClaimResult(request.request_id, tuple(b.block_id for b in seq.blocks), num_cached)
 
     # ---- growth and publishing -----------------------------------------------------------------
@@ -401,9 +403,10 @@ class KvCacheManager:
         blocks: list[KvBlock] = []
         for block_hash in lower:
             existing = self.pool.lookup(block_hash)
-            if existing is not None:
+            if existing is not None:  # onboarded by an earlier request of the batch: a device hit now
                 self.pool.ref(existing)
                 blocks.append(existing)
+                self.num_hit_tokens_by_tier[Tier.DEVICE] += self.tokens_per_block
                 continue
             (block,) = self.pool.allocate(1)
             in_host = self.host is not None and block_hash in self.host
@@ -413,6 +416,7 @@ class KvCacheManager:
             self.pool.publish(block, block_hash, parent, entry.priority, None, request.lora_id,
                               onboarded=Tier.HOST if in_host else Tier.DISK)
             kind = MoveKind.ONBOARD if in_host else MoveKind.LOAD
+            self.num_hit_tokens_by_tier[Tier.HOST if in_host else Tier.DISK] += self.tokens_per_block
             self.pool.moves.append(TierMove(kind, block.block_id, entry.slot if in_host else -1, block_hash))
             tier.touch(block_hash)  # type: ignore[union-attr]
             blocks.append(block)

@@ -25,6 +25,7 @@ class BlockPool:
         self.host = host
         self.disk = disk
         self.moves: list[TierMove] = []  # copies between tiers the engine has yet to make, in order
+        self.num_dropped_by_priority = 0  # blocks a lower tier would have kept but for their priority
         self.blocks = [KvBlock(BlockId(i)) for i in range(num_blocks)]
         self.free_list: deque[KvBlock] = deque(self.blocks)
         self.cached: dict[BlockHash, KvBlock] = {}
@@ -158,6 +159,7 @@ class BlockPool:
             host.touch(block_hash)
             return True
         if not host.admits(block.priority):
+            self.num_dropped_by_priority += 1
             return False
         taken = host.take_slot()
         if taken is None:  # every entry is pinned by the claim in progress
@@ -176,7 +178,9 @@ class BlockPool:
         on_disk = disk is not None and block_hash in disk
         if on_disk:
             disk.touch(block_hash)  # type: ignore[union-attr]
-        elif disk is not None and disk.admits(entry.priority) and (taken := disk.take_slot()) is not None:
+        elif disk is not None and not disk.admits(entry.priority):
+            self.num_dropped_by_priority += 1
+        elif disk is not None and (taken := disk.take_slot()) is not None:
             slot, dropped, _ = taken
             if dropped is not None:
                 self.moves.append(TierMove(MoveKind.DELETE, BlockId(-1), -1, dropped))

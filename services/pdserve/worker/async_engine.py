@@ -20,7 +20,7 @@ from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
-from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent
+from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent, Tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -324,7 +324,17 @@ class ThreadedEngine:
             num_disk_cached_blocks=len(kv.disk.entries) if kv.disk else 0,
             num_spilled_blocks=kv.num_spilled_blocks, num_loaded_blocks=kv.num_loaded_blocks,
             num_corrupt_disk_blocks=kv.num_corrupt_disk_blocks,
+            num_host_cached_bytes=len(kv.host.entries) * self._bytes_per_block if kv.host else 0,
+            num_disk_cached_bytes=len(kv.disk.entries) * self._bytes_per_block if kv.disk else 0,
+            prefix_cache_host_hit_tokens=kv.num_hit_tokens_by_tier[Tier.HOST],
+            prefix_cache_disk_hit_tokens=kv.num_hit_tokens_by_tier[Tier.DISK],
+            num_dropped_by_priority=kv.pool.num_dropped_by_priority,
         )
+
+    @property
+    def _bytes_per_block(self) -> int:
+        block = self._engine.runner.kv_tensor[0]
+        return block.numel() * block.element_size()
 
 
 def _set_value(future: asyncio.Future, value: object) -> None:

@@ -76,6 +76,7 @@ def test_an_evicted_block_moves_down_and_a_prefix_hit_comes_back_from_the_host()
                                                                           for h in a.block_hashes(4)[:2]]
     assert not [e for e in events if isinstance(e, BlockStored) and e.block_hashes[0] in a.block_hashes(4)[:2]]
     assert (m.num_offloaded_blocks, m.num_onboarded_blocks) == (4, 2)  # b's blocks moved down to make room
+    assert m.num_hit_tokens_by_tier == [0, 8, 0]
 
 
 def test_blocks_below_the_offload_priority_are_dropped():
@@ -86,7 +87,7 @@ def test_blocks_below_the_offload_priority_are_dropped():
     serve(m, data, make_request("x", range(500, 513)))  # four blocks: evicts both, the lower priority first
     events = [e for e in m.drain_events() if not isinstance(e, BlockStored)]
     assert [(type(e), e.tier) for e in events] == [(BlockRemoved, Tier.DEVICE), (BlockUpdated, Tier.HOST)]
-    assert len(m.host.entries) == 1
+    assert len(m.host.entries) == 1 and m.pool.num_dropped_by_priority == 1
     assert m.analyze_prefix_reuse(make_request("low2", range(5))).num_cached_tokens == 0
     assert m.analyze_prefix_reuse(make_request("high2", range(100, 105))).num_cached_tokens == 4
 
@@ -187,7 +188,7 @@ def test_a_block_the_host_tier_lets_go_moves_to_disk_and_comes_back_from_there()
     analysis = m.analyze_prefix_reuse(make_request("again", range(5)))
     assert (analysis.num_cached_tokens, analysis.num_cached_by_tier) == (4, (0, 0, 1))
     assert serve(m, data, make_request("again", range(5))) == 4
-    assert m.num_loaded_blocks == 1
+    assert m.num_loaded_blocks == 1 and m.num_hit_tokens_by_tier == [0, 0, 4]
 
 
 def test_blocks_found_on_disk_at_start_are_announced_and_a_corrupt_one_is_a_miss():

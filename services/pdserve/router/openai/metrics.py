@@ -74,6 +74,8 @@ class WorkerStatsCollector(Collector):
             "pdserve_kv_host_cached_blocks": ("KV blocks held in the host tier", stats.num_host_cached_blocks),
             "pdserve_kv_disk_blocks": ("KV blocks the disk tier can hold", stats.num_disk_blocks),
             "pdserve_kv_disk_cached_blocks": ("KV blocks held in the disk tier", stats.num_disk_cached_blocks),
+            "pdserve_kv_host_cached_bytes": ("Bytes of KV blocks held in the host tier", stats.num_host_cached_bytes),
+            "pdserve_kv_disk_cached_bytes": ("Bytes of KV block files in the disk tier", stats.num_disk_cached_bytes),
         }
         counters = {
             "pdserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
@@ -88,6 +90,13 @@ class WorkerStatsCollector(Collector):
             "pdserve_kv_loaded_blocks": ("KV blocks read back from disk (prefix hits there)", stats.num_loaded_blocks),
             "pdserve_kv_disk_corrupt_blocks": ("Disk block files that failed their checksum (used as misses)",
                                                stats.num_corrupt_disk_blocks),
+            "pdserve_prefix_cache_host_hits": ("Prompt tokens found in the host tier (part of the prefix cache hits)",
+                                               stats.prefix_cache_host_hit_tokens),
+            "pdserve_prefix_cache_disk_hits": ("Prompt tokens found in the disk tier (part of the prefix cache hits)",
+                                               stats.prefix_cache_disk_hit_tokens),
+            "pdserve_kv_dropped_by_priority_blocks": ("KV blocks dropped on eviction because their retention priority "
+                                                      "is below --secondary-offload-min-priority",
+                                                      stats.num_dropped_by_priority),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from pdserve.rpc.gen import request_pb2 as pdserve_dot_v1_dot_request__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x18pdserve/v1/request.proto\"\x19\n\x17\x43heckKvIntegrityRequest\"i\n\x18\x43heckKvIntegrityResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x19\n\x11num_held_for_peer\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rHealthRequest\"K\n\x0eHealthResponse\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.pdserve.v1.ServingStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x8b\x04\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\x04\x12!\n\x19num_prefill_tokens_queued\x18\x06 \x01(\x04\x12#\n\x1bprefix_cache_queried_tokens\x18\x07 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x17\n\x0fnum_host_blocks\x18\n \x01(\x04\x12\x1e\n\x16num_host_cached_blocks\x18\x0b \x01(\x04\x12\x1c\n\x14num_offloaded_blocks\x18\x0c \x01(\x04\x12\x1c\n\x14num_onboarded_blocks\x18\r \x01(\x04\x12\x17\n\x0fnum_disk_blocks\x18\x0e \x01(\x04\x12\x1e\n\x16num_disk_cached_blocks\x18\x0f \x01(\x04\x12\x1a\n\x12num_spilled_blocks\x18\x10 \x01(\x04\x12\x19\n\x11num_loaded_blocks\x18\x11 \x01(\x04\x12\x1f\n\x17num_corrupt_disk_blocks\x18\x12 \x01(\x04\":\n\x10GetStatsResponse\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.EngineStats\"\x10\n\x0eGetInfoRequest\"\xbf\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x1c\n\x14\x62lock_hash_algorithm\x18\x04 \x01(\t\x12$\n\x04role\x18\x05 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\"M\n\x0fGetInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdserve.v1.ModelInfo\x12\x15\n\rdeployment_id\x18\x02 \x01(\t*k\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n\x1aSERVING_STATUS_NOT_SERVING\x10\x02*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\xb7\x03\n\x06Worker\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.RequestOutput0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponse\x12\x42\n\x07GetInfo\x12\x1a.pdserve.v1.GetInfoRequest\x1a\x1b.pdserve.v1.GetInfoResponse\x12]\n\x10\x43heckKvIntegrity\x12#.pdserve.v1.CheckKvIntegrityRequest\x1a$.pdserve.v1.CheckKvIntegrityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x18pdserve/v1/request.proto\"\x19\n\x17\x43heckKvIntegrityRequest\"i\n\x18\x43heckKvIntegrityResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x19\n\x11num_held_for_peer\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rHealthRequest\"K\n\x0eHealthResponse\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.pdserve.v1.ServingStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xb6\x05\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\x04\x12!\n\x19num_prefill_tokens_queued\x18\x06 \x01(\x04\x12#\n\x1bprefix_cache_queried_tokens\x18\x07 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x17\n\x0fnum_host_blocks\x18\n \x01(\x04\x12\x1e\n\x16num_host_cached_blocks\x18\x0b \x01(\x04\x12\x1c\n\x14num_offloaded_blocks\x18\x0c \x01(\x04\x12\x1c\n\x14num_onboarded_blocks\x18\r \x01(\x04\x12\x17\n\x0fnum_disk_blocks\x18\x0e \x01(\x04\x12\x1e\n\x16num_disk_cached_blocks\x18\x0f \x01(\x04\x12\x1a\n\x12num_spilled_blocks\x18\x10 \x01(\x04\x12\x19\n\x11num_loaded_blocks\x18\x11 \x01(\x04\x12\x1f\n\x17num_corrupt_disk_blocks\x18\x12 \x01(\x04\x12\x1d\n\x15num_host_cached_bytes\x18\x13 \x01(\x04\x12\x1d\n\x15num_disk_cached_bytes\x18\x14 \x01(\x04\x12$\n\x1cprefix_cache_host_hit_tokens\x18\x15 \x01(\x04\x12$\n\x1cprefix_cache_disk_hit_tokens\x18\x16 \x01(\x04\x12\x1f\n\x17num_dropped_by_priority\x18\x17 \x01(\x04\":\n\x10GetStatsResponse\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.EngineStats\"\x10\n\x0eGetInfoRequest\"\xbf\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x1c\n\x14\x62lock_hash_algorithm\x18\x04 \x01(\t\x12$\n\x04role\x18\x05 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\"M\n\x0fGetInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdserve.v1.ModelInfo\x12\x15\n\rdeployment_id\x18\x02 \x01(\t*k\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n\x1aSERVING_STATUS_NOT_SERVING\x10\x02*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\xb7\x03\n\x06Worker\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.RequestOutput0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponse\x12\x42\n\x07GetInfo\x12\x1a.pdserve.v1.GetInfoRequest\x1a\x1b.pdserve.v1.GetInfoResponse\x12]\n\x10\x43heckKvIntegrity\x12#.pdserve.v1.CheckKvIntegrityRequest\x1a$.pdserve.v1.CheckKvIntegrityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVINGSTATUS']._serialized_start=1242
-  _globals['_SERVINGSTATUS']._serialized_end=1349
-  _globals['_WORKERROLE']._serialized_start=1351
-  _globals['_WORKERROLE']._serialized_end=1463
+  _globals['_SERVINGSTATUS']._serialized_start=1413
+  _globals['_SERVINGSTATUS']._serialized_end=1520
+  _globals['_WORKERROLE']._serialized_start=1522
+  _globals['_WORKERROLE']._serialized_end=1634
   _globals['_CHECKKVINTEGRITYREQUEST']._serialized_start=65
   _globals['_CHECKKVINTEGRITYREQUEST']._serialized_end=90
   _globals['_CHECKKVINTEGRITYRESPONSE']._serialized_start=92
@@ -51,15 +51,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=346
   _globals['_GETSTATSREQUEST']._serialized_end=363
   _globals['_ENGINESTATS']._serialized_start=366
-  _globals['_ENGINESTATS']._serialized_end=889
-  _globals['_GETSTATSRESPONSE']._serialized_start=891
-  _globals['_GETSTATSRESPONSE']._serialized_end=949
-  _globals['_GETINFOREQUEST']._serialized_start=951
-  _globals['_GETINFOREQUEST']._serialized_end=967
-  _globals['_MODELINFO']._serialized_start=970
-  _globals['_MODELINFO']._serialized_end=1161
-  _globals['_GETINFORESPONSE']._serialized_start=1163
-  _globals['_GETINFORESPONSE']._serialized_end=1240
-  _globals['_WORKER']._serialized_start=1466
-  _globals['_WORKER']._serialized_end=1905
+  _globals['_ENGINESTATS']._serialized_end=1060
+  _globals['_GETSTATSRESPONSE']._serialized_start=1062
+  _globals['_GETSTATSRESPONSE']._serialized_end=1120
+  _globals['_GETINFOREQUEST']._serialized_start=1122
+  _globals['_GETINFOREQUEST']._serialized_end=1138
+  _globals['_MODELINFO']._serialized_start=1141
+  _globals['_MODELINFO']._serialized_end=1332
+  _globals['_GETINFORESPONSE']._serialized_start=1334
+  _globals['_GETINFORESPONSE']._serialized_end=1411
+  _globals['_WORKER']._serialized_start=1637
+  _globals['_WORKER']._serialized_end=2076
 # @@protoc_insertion_point(module_scope)

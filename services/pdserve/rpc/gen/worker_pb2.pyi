@@ -71,7 +71,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_used_blocks", "num_prefill_tokens_queued", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_host_blocks", "num_host_cached_blocks", "num_offloaded_blocks", "num_onboarded_blocks", "num_disk_blocks", "num_disk_cached_blocks", "num_spilled_blocks", "num_loaded_blocks", "num_corrupt_disk_blocks")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_used_blocks", "num_prefill_tokens_queued", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_host_blocks", "num_host_cached_blocks", "num_offloaded_blocks", "num_onboarded_blocks", "num_disk_blocks", "num_disk_cached_blocks", "num_spilled_blocks", "num_loaded_blocks", "num_corrupt_disk_blocks", "num_host_cached_bytes", "num_disk_cached_bytes", "prefix_cache_host_hit_tokens", "prefix_cache_disk_hit_tokens", "num_dropped_by_priority")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,11 @@ class EngineStats(_message.Message):
     NUM_SPILLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CORRUPT_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_DISK_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_BY_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -108,7 +113,12 @@ class EngineStats(_message.Message):
     num_spilled_blocks: int
     num_loaded_blocks: int
     num_corrupt_disk_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_prefill_tokens_queued: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_onboarded_blocks: _Optional[int] = ..., num_disk_blocks: _Optional[int] = ..., num_disk_cached_blocks: _Optional[int] = ..., num_spilled_blocks: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_corrupt_disk_blocks: _Optional[int] = ...) -> None: ...
+    num_host_cached_bytes: int
+    num_disk_cached_bytes: int
+    prefix_cache_host_hit_tokens: int
+    prefix_cache_disk_hit_tokens: int
+    num_dropped_by_priority: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_prefill_tokens_queued: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_onboarded_blocks: _Optional[int] = ..., num_disk_blocks: _Optional[int] = ..., num_disk_cached_blocks: _Optional[int] = ..., num_spilled_blocks: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_corrupt_disk_blocks: _Optional[int] = ..., num_host_cached_bytes: _Optional[int] = ..., num_disk_cached_bytes: _Optional[int] = ..., prefix_cache_host_hit_tokens: _Optional[int] = ..., prefix_cache_disk_hit_tokens: _Optional[int] = ..., num_dropped_by_priority: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("stats",)

@@ -1,4 +1,4 @@
-"""The lower KV tiers through `pdserve serve` (tiny checkpoint, a device cache of 512 tokens, 1 MiB
+"""The lower KV tiers through `pdserve serve` (tiny checkpoint, a device cache of 1024 tokens, 1 MiB
 of host tier): a prompt pushed out of the device cache by others comes back from the host tier as
 cached tokens, with the same greedy text; disaggregated, the decode worker's host hit means the
 prefill worker sends nothing for it. With a disk tier, blocks survive a restart of serve: the
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 START_TIMEOUT_S = 180.0
 PROMPT = "The keeper climbed the stairs of the old lighthouse to light the lamp. " * 5  # ~80 tokens
-FLUSH = [f"Flush {i}: rivers, bridges and markets of a city nobody has written about before. " * 10
-         for i in range(4)]  # ~170 tokens each: together more than the device cache holds
+FLUSH = [f"Flush {i}: rivers, bridges and markets of a city nobody has written about before. " * 18
+         for i in range(5)]  # ~300 tokens each: five together are more than the device cache holds
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def start_serve(checkpoint: Path, directory: Path, *topology: str,
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-            "--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--max-kv-tokens", "512",
+            "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--max-kv-tokens", "1024",
             "--host-cache-size", host_cache, "--cache-dir", "", "--startup-timeout", "150", *topology]
     with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
         process = subprocess.Popen(argv, stdout=out, stderr=err)

@@ -35,7 +35,7 @@ EXPECTED_SCRIPTS: dict[str, list[str]] = {
     "disagg_vs_agg.py": [],
     "routing.py": [],
     "model_forward.py": [],
-    "kv_tiers.py": [],
+    "tiers.py": [],
     "internal_tls.py": ["--scale", "0.5"],
     "isolation_audit.py": [],
     "soak.py": ["--minutes", "2"],  # a health figure (flat curves), kept short in the set

@@ -86,6 +86,30 @@ def start(args: Sequence[str], log_path: Path | None = None) -> subprocess.Popen
     return subprocess.Popen([PDSERVE, *plain_text(args)], stdout=out, stderr=subprocess.STDOUT)
 
 
+def start_serve(directory: Path, args: Sequence[str], timeout_s: float = 180.0) -> tuple[subprocess.Popen, list[str]]:
+    """`pdserve serve <args>` on a free HTTP port with its output in `directory`, once its ready
+    banner is out; the process and the banner's lines (the URL is `http://127.0.0.1:<port>` of
+    the `--port` in `args`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "pdserve.cli", "serve", *args]
+    with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
+        process = subprocess.Popen(argv, stdout=out, stderr=err)
+    deadline = time.monotonic() + timeout_s
+    while b"pdserve is ready" not in (directory / "serve.out").read_bytes():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait(30)
+            raise AssertionError(f"serve was not ready: {(directory / 'serve.err').read_text()[-3000:]}")
+        time.sleep(0.2)
+    return process, (directory / "serve.out").read_text().splitlines()
+
+
+def banner_address(banner: list[str], role: str) -> str:
+    """A worker's gRPC address from serve's ready banner."""
+    (address,) = [line.split()[1] for line in banner if line.startswith(f"  {role} ")]
+    return address
+
+
 def wait_for_worker(address: str, process: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
     from pdserve.rpc.probe import is_worker_serving
 

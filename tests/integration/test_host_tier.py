@@ -4,7 +4,6 @@ cached tokens, with the same greedy text; disaggregated, the decode worker's hos
 prefill worker sends nothing for it. With a disk tier, blocks survive a restart of serve: the
 stopping worker writes its host tier to disk, and the new one finds them there."""
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -13,11 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.stack import free_port, make_tiny_checkpoint
+from tests.integration.stack import free_port, make_tiny_checkpoint, start_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-START_TIMEOUT_S = 180.0
 PROMPT = "The keeper climbed the stairs of the old lighthouse to light the lamp. " * 5  # ~80 tokens
 FLUSH = [f"Flush {i}: rivers, bridges and markets of a city nobody has written about before. " * 18
          for i in range(5)]  # ~300 tokens each: five together are more than the device cache holds
@@ -28,22 +26,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def start_serve(checkpoint: Path, directory: Path, *topology: str,
-                host_cache: str = "1MiB") -> tuple[subprocess.Popen, str, str]:
-    directory.mkdir(parents=True, exist_ok=True)
+def serve(checkpoint: Path, directory: Path, *topology: str,
+          host_cache: str = "1MiB") -> tuple[subprocess.Popen, str]:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-            "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--max-kv-tokens", "1024",
-            "--host-cache-size", host_cache, "--cache-dir", "", "--startup-timeout", "150", *topology]
-    with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
-        process = subprocess.Popen(argv, stdout=out, stderr=err)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while b"pdserve is ready" not in (directory / "serve.out").read_bytes():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError((directory / "serve.err").read_text()[-3000:])
-        time.sleep(0.2)
-    return process, f"http://127.0.0.1:{port}", (directory / "serve.out").read_text()
+    process, _ = start_serve(directory, [
+        "--model", str(checkpoint), "--port", str(port), "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "512", "--max-kv-tokens", "1024", "--host-cache-size", host_cache, "--cache-dir", "",
+        "--startup-timeout", "150", *topology])
+    return process, f"http://127.0.0.1:{port}"
 
 
 def complete(url: str, prompt: str) -> tuple[str, int, dict[str, str]]:
@@ -72,7 +62,7 @@ def metric(url: str, name: str, at_least: float, timeout_s: float = 10.0) -> flo
 @pytest.mark.parametrize("topology", [("--aggregated",), ()], ids=["aggregated", "disaggregated"])
 def test_a_prompt_pushed_out_of_the_device_cache_comes_back_from_the_host_tier(checkpoint: Path, tmp_path: Path,
                                                                               topology: tuple[str, ...]) -> None:
-    process, url, banner = start_serve(checkpoint, tmp_path, *topology)
+    process, url = serve(checkpoint, tmp_path, *topology)
     try:
         first, cached, _ = complete(url, PROMPT)
         assert cached == 0
@@ -93,7 +83,7 @@ def test_a_prompt_pushed_out_of_the_device_cache_comes_back_from_the_host_tier(c
 def test_blocks_written_to_disk_at_a_graceful_stop_are_found_after_a_restart(checkpoint: Path, tmp_path: Path) -> None:
     disk = tmp_path / "kv-disk"
     flags = ("--aggregated", "--disk-cache-dir", str(disk), "--disk-cache-size", "8MiB")
-    process, url, _ = start_serve(checkpoint, tmp_path / "first", *flags)
+    process, url = serve(checkpoint, tmp_path / "first", *flags)
     try:
         first, _, _ = complete(url, PROMPT)
         for prompt in FLUSH:  # the prompt's blocks move down to the host tier
@@ -102,7 +92,7 @@ def test_blocks_written_to_disk_at_a_graceful_stop_are_found_after_a_restart(che
         process.terminate()  # a graceful stop: the worker writes its host tier to disk
         assert process.wait(60) == 0
     assert len(list(disk.rglob("*.kv"))) >= 5
-    process, url, _ = start_serve(checkpoint, tmp_path / "second", *flags)
+    process, url = serve(checkpoint, tmp_path / "second", *flags)
     try:
         again, cached, _ = complete(url, PROMPT)
         assert (again, cached >= 64) == (first, True)

@@ -7,8 +7,6 @@ worker's blocks; and requests still complete with KV moved from the prefill work
 """
 import json
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,11 +19,16 @@ from pdserve.common import pki
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc.gen import kv_events_pb2, kv_transfer_pb2, request_pb2, worker_pb2
 from tests.fuzz.worker_calls import call_raw
-from tests.integration.stack import free_port, make_tiny_checkpoint, serve_credentials_dir
+from tests.integration.stack import (
+    banner_address,
+    free_port,
+    make_tiny_checkpoint,
+    serve_credentials_dir,
+    start_serve,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 10.0
 PROMPT = "The history of the city is long. " * 6  # a few blocks: the prefill worker computes it
 WORKER_METHODS = [m for m in worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods]
@@ -50,22 +53,13 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     directory = tmp_path_factory.mktemp("tls-serve")
     checkpoint = make_tiny_checkpoint(directory / "tiny")
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-            "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--max-kv-tokens", "4096",
-            "--cache-dir", "", "--startup-timeout", "150"]
-    with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
-        process = subprocess.Popen(argv, stdout=out, stderr=err)
+    process, banner = start_serve(directory, [
+        "--model", str(checkpoint), "--port", str(port), "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "512", "--max-kv-tokens", "4096", "--cache-dir", "", "--startup-timeout", "150"])
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while b"pdserve is ready" not in (directory / "serve.out").read_bytes():
-            assert process.poll() is None, (directory / "serve.err").read_text()[-3000:]
-            assert time.monotonic() < deadline, "serve was not ready in time"
-            time.sleep(0.2)
-        banner = (directory / "serve.out").read_text().splitlines()
-        (prefill,) = [line.split()[1] for line in banner if line.startswith("  prefill ")]
-        (decode,) = [line.split()[1] for line in banner if line.startswith("  decode ")]
         assert "  internal gRPC: mutual TLS, a throwaway authority for this launch" in banner
-        yield Serve(process, f"http://127.0.0.1:{port}", prefill, decode)
+        yield Serve(process, f"http://127.0.0.1:{port}", banner_address(banner, "prefill"),
+                    banner_address(banner, "decode"))
     finally:
         process.terminate()
         process.wait(60)

@@ -3,9 +3,6 @@ worker, a decode worker, mutual TLS between them): the isolation audit of `pdser
 with cached-token counts standing in for timing (never asserted in a test). Two tenants sending
 the same prompt share no block in either worker's cache, in what the prefill worker transfers,
 or in the router's prefix index; the positive control (the victim's own repeat) hits in all three."""
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +11,10 @@ import httpx
 import pytest
 
 from pdserve.bench.isolation import run_audit, verdict
-from tests.integration.stack import free_port, make_tiny_checkpoint
+from tests.integration.stack import banner_address, free_port, make_tiny_checkpoint, start_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-START_TIMEOUT_S = 180.0
 VICTIM_KEY, ATTACKER_KEY = "sk-victim-0123456789", "sk-attacker-987654321"
 NUM_PROMPTS = 8
 
@@ -36,20 +32,12 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     keys = directory / "api-keys"
     keys.write_text(f"{VICTIM_KEY} victim\n{ATTACKER_KEY} attacker\n")
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-            "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--max-kv-tokens", "8192",
-            "--cache-dir", "", "--startup-timeout", "150", "--api-keys-file", str(keys)]
-    with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
-        process = subprocess.Popen(argv, stdout=out, stderr=err)
+    process, banner = start_serve(directory, [
+        "--model", str(checkpoint), "--port", str(port), "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "512", "--max-kv-tokens", "8192", "--cache-dir", "", "--startup-timeout", "150",
+        "--api-keys-file", str(keys)])
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while b"pdserve is ready" not in (directory / "serve.out").read_bytes():
-            assert process.poll() is None, (directory / "serve.err").read_text()[-3000:]
-            assert time.monotonic() < deadline, "serve was not ready in time"
-            time.sleep(0.2)
-        banner = (directory / "serve.out").read_text().splitlines()
-        (prefill,) = [line.split()[1] for line in banner if line.startswith("  prefill ")]
-        yield Serve(f"http://127.0.0.1:{port}", prefill)
+        yield Serve(f"http://127.0.0.1:{port}", banner_address(banner, "prefill"))
     finally:
         process.terminate()
         process.wait(60)

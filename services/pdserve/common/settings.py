@@ -47,6 +47,19 @@ def opt(default: object = dataclasses.MISSING, *, help: str, parse: cv.Parser, f
                  repr=not secret)
 
 
+def tls_dir_option() -> Any:
+    """The internal plane's credentials: a worker's and a router's `--tls-dir`."""
+    return opt(None, parse=cv.optional(cv.parse_str),
+               help="folder with ca.crt, tls.crt and tls.key: mutual TLS on every internal gRPC call "
+                    "(`pdserve certs` makes them)")
+
+
+def insecure_internal_option() -> Any:
+    return opt(False, parse=cv.parse_bool,
+               help="internal gRPC in plain text, without --tls-dir: anyone who reaches the port can read and write "
+                    "the KV cache (logged as a warning)")
+
+
 def check(is_ok: bool, name: str, value: object, reason: str) -> None:
     if not is_ok:
         raise ConfigError(name, value, reason)
@@ -110,12 +123,8 @@ class WorkerSettings:
     worker_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                 help="name of this worker to its peers (default: the identity in its TLS "
                                      "certificate, else <role>@<host name>:<port>)")
-    tls_dir: str | None = opt(None, parse=cv.optional(cv.parse_str),
-                              help="folder with ca.crt, tls.crt and tls.key: mutual TLS on every internal gRPC "
-                                   "call (`pdserve certs` makes them)")
-    insecure_internal: bool = opt(False, parse=cv.parse_bool,
-                                  help="internal gRPC in plain text, without --tls-dir: anyone who reaches the "
-                                       "port can read and write the KV cache (logged as a warning)")
+    tls_dir: str | None = tls_dir_option()
+    insecure_internal: bool = insecure_internal_option()
     deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                     help="the deployment this worker belongs to, told to routers that ask; a router "
                                          "with a deployment id admits only its own workers (pdserve serve: a fresh "
@@ -208,12 +217,8 @@ class RouterSettings:
     deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                     help="admit only workers started with this --deployment-id (pdserve serve: a "
                                          "fresh id per launch); unset: admit any worker and log the id it reports")
-    tls_dir: str | None = opt(None, parse=cv.optional(cv.parse_str),
-                              help="folder with ca.crt, tls.crt and tls.key: mutual TLS on every internal gRPC "
-                                   "call (`pdserve certs` makes them)")
-    insecure_internal: bool = opt(False, parse=cv.parse_bool,
-                                  help="internal gRPC in plain text, without --tls-dir: anyone who reaches the "
-                                       "port can read and write the KV cache (logged as a warning)")
+    tls_dir: str | None = tls_dir_option()
+    insecure_internal: bool = insecure_internal_option()
     # ---- API keys and tenants (see router/openai/access/) ----
     api_key: tuple[str, ...] = opt((), parse=cv.parse_api_keys, secret=True,
                                    help="API key(s) every /v1 request must send as 'Authorization: Bearer <key>', "

@@ -28,7 +28,8 @@ from pdserve.kvcache.block import KvBlock, Tier
 from pdserve.kvcache.block_key import hash_request_blocks
 from pdserve.kvcache.config import KvCacheConfig
 from pdserve.kvcache.events import EventBuffer, KvEvent
-from pdserve.kvcache.lower_tier import LowerTier, MoveKind, TierEntry, TierMove
+from pdserve.kvcache.lower_tier import LowerTier, TierMove
+from pdserve.kvcache.tiers import LowerTiers
 from pdserve.kvcache.integrity import IntegrityError, check_pool_integrity
 from pdserve.kvcache.pool import BlockPool
 from pdserve.kvcache.request import CacheRequest
@@ -84,18 +85,12 @@ class KvCacheManager:
         threshold = config.secondary_offload_min_priority
         self.host = LowerTier(num_host_blocks, threshold) if num_host_blocks else None
         self.disk = LowerTier(num_disk_blocks, threshold) if num_disk_blocks else None
-        self._disk_verifier = disk_verifier
         self.pool = BlockPool(num_blocks, self.events, config.eviction_policy == "priority", clock, self.host, self.disk)
-        self.num_offloaded_blocks = 0
-        self.num_onboarded_blocks = 0
-        self.num_spilled_blocks = 0
-        self.num_loaded_blocks = 0
-        self.num_corrupt_disk_blocks = 0
+        self.tiers = LowerTiers(self.pool, self.events, config.tokens_per_block, disk_verifier)
         self._clock = clock
         self._seqs: dict[RequestId, _Sequence] = {}
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
-        self.num_hit_tokens_by_tier = [0] * len(Tier)  # where the hits came from
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -124,36 +119,17 @@ class KvCacheManager:
     def cached_blocks_by_tier(self) -> list[tuple[BlockHash, Tier]]:
         """Every block key in the cache with the best tier holding it (a snapshot for a consumer
         that lost events)."""
-        found = [(h, Tier.DEVICE) for h in self.pool.cached]
-        if self.host is not None:
-            found += [(h, Tier.HOST) for h in self.host.entries if h not in self.pool.cached]
-        if self.disk is not None:
-            found += [(h, Tier.DISK) for h in self.disk.entries
-                      if h not in self.pool.cached and (self.host is None or h not in self.host)]
-        return found
+        return self.tiers.blocks_by_tier()
 
     def drain_tier_moves(self) -> list[TierMove]:
         """The copies between tiers queued since the last call, in the order they must run."""
-        moves, self.pool.moves = self.pool.moves, []
-        self.num_offloaded_blocks += sum(1 for m in moves if m.kind is MoveKind.OFFLOAD)
-        self.num_onboarded_blocks += sum(1 for m in moves if m.kind is MoveKind.ONBOARD)
-        self.num_spilled_blocks += sum(1 for m in moves if m.kind is MoveKind.SPILL)
-        self.num_loaded_blocks += sum(1 for m in moves if m.kind is MoveKind.LOAD)
-        return moves
+        return self.tiers.drain_moves()
 
     def discard_unreadable(self, block_id: BlockId) -> None:
         """A block whose copy back from a lower tier failed: no longer findable under its key (its
         holders must recompute it), and its disk file, if that was the source, counted as corrupt
         and deleted."""
-        block = self.pool.blocks[block_id]
-        block_hash = block.block_hash
-        if block_hash is None:
-            return
-        self.pool.forget(block)
-        if self.disk is not None and block_hash in self.disk and (self.host is None or block_hash not in self.host):
-            self.disk.remove(block_hash)
-            self.num_corrupt_disk_blocks += 1
-            self.pool.moves.append(TierMove(MoveKind.DELETE, BlockId(-1), -1, block_hash))
+        self.tiers.discard_unreadable(block_id)
 
     def holders_of(self, block_ids: set[BlockId]) -> list[RequestId]:
         """The sequences holding any of `block_ids`."""
@@ -163,26 +139,13 @@ class KvCacheManager:
         """Take over blocks found on disk at start, (key, parent key, priority) each, parents
         first: each is announced (`stored`, tier DISK) and checked at its first hit. Stops when the
         tier is full; how many were taken."""
-        if self.disk is None:
-            return 0
-        taken = 0
-        for block_hash, parent, priority in blocks:
-            if block_hash in self.disk or not self.disk.free_slots:
-                continue
-            self.disk.add(block_hash, self.disk.free_slots.pop(), parent, priority, None, verified=False)
-            self.events.stored([block_hash], parent, Tier.DISK, priority, None)
-            taken += 1
-        return taken
+        return self.tiers.adopt_disk_blocks(blocks)
 
     def spill_host_tier(self) -> list[TierMove]:
         """At a graceful stop: queue every host-tier block the disk tier admits and lacks for
         writing to disk (evicting older disk blocks as needed); the moves, to make now."""
-        if self.host is None or self.disk is None:
-            return []
-        for block_hash, entry in sorted(self.host.entries.items(), key=lambda item: -item[1].last_used):
-            if block_hash not in self.disk and self.disk.admits(entry.priority):
-                self.pool._host_let_go(block_hash, entry)
-        return self.drain_tier_moves()
+        return self.tiers.spill_host()
+
     def drain_events(self) -> list[KvEvent]:
         return self.events.drain()
 
@@ -196,7 +159,7 @@ class KvCacheManager:
         for block in matched:
             by_tier[block.tier] += 1
         for block_hash in lower:
-            by_tier[Tier.HOST if self.host is not None and block_hash in self.host else Tier.DISK] += 1
+            by_tier[self.tiers.tier_of(block_hash)] += 1
         num_new = self._num_claim_blocks(request) - len(matched)
         num_cached = len(matched) + len(lower)
         return PrefixAnalysis(
@@ -228,7 +191,7 @@ class KvCacheManager:
         for block, _ in locked:
             self.pool.ref(block)
         for block_hash in pinned:
-            self._lower_entry(block_hash).pins += 1
+            self.tiers.entry(block_hash).pins += 1
         try:
             shared = len(pinned) - len(set(pinned))  # a host hit two requests share is onboarded once
             needed = sum(self._num_claim_blocks(r) - len(m) for r, (m, _) in zip(requests, matches)) - shared
@@ -240,10 +203,10 @@ class KvCacheManager:
             return [self._admit(r, m, lower) for r, (m, lower) in zip(requests, matches)]
         finally:
             for block_hash in pinned:
-                self._lower_entry(block_hash).pins -= 1
+                self.tiers.entry(block_hash).pins -= 1
 
     def _admit(self, request: CacheRequest, matched: list[KvBlock], lower: list[BlockHash]) -> ClaimResult:
-        onboarded = self._onboard(request, matched, lower)
+        onboarded = self.tiers.onboard(request, matched, lower)
         matched = matched + onboarded
         new_blocks = self.pool.allocate(self._num_claim_blocks(request) - len(matched))
         for i, block in enumerate(matched):
@@ -256,7 +219,7 @@ class KvCacheManager:
         self._seqs[request.request_id] = seq
         self.num_query_tokens += len(request.token_ids)
         self.num_hit_tokens += num_cached
-        self.num_hit_tokens_by_tier[Tier.DEVICE] += num_cached - len(onboarded) * self.tokens_per_block
+        self.tiers.hit_tokens[Tier.DEVICE] += num_cached - len(onboarded) * self.tokens_per_block
         return ClaimResult(request.request_id, tuple(b.block_id for b in seq.blocks), num_cached)
 
     # ---- growth and publishing -----------------------------------------------------------------
@@ -330,19 +293,15 @@ class KvCacheManager:
         if self.num_used_blocks:
             return False
         self.pool.clear_cached_free()
-        if self.host is not None:
-            self.host.clear()
-        if self.disk is not None:
-            self.pool.moves += [TierMove(MoveKind.DELETE, BlockId(-1), -1, h) for h in self.disk.clear()]
+        self.tiers.clear()
         self.events.cleared()
         return True
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + cached-free + in-use == total and ownership is consistent."""
         check_pool_integrity(self.pool, [s.blocks for s in self._seqs.values()])
-        for tier in (self.host, self.disk):
-            if tier is not None and (problems := tier.check()):
-                raise IntegrityError("; ".join(problems))
+        if problems := self.tiers.problems():
+            raise IntegrityError("; ".join(problems))
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -373,60 +332,11 @@ class KvCacheManager:
             block = self.pool.lookup(block_hash) if not lower else None
             if block is not None:
                 matched.append(block)
-            elif (self.host is not None and block_hash in self.host) or self._usable_on_disk(block_hash):
+            elif self.tiers.holds(block_hash):
                 lower.append(block_hash)
             else:
                 break
         return matched, lower
-
-    def _usable_on_disk(self, block_hash: BlockHash) -> bool:
-        """On disk and sound: a block found at start is checked once; a corrupt one is dropped."""
-        disk = self.disk
-        entry = disk.get(block_hash) if disk is not None else None
-        if entry is None:
-            return False
-        if entry.verified or self._disk_verifier is None:
-            return True
-        if self._disk_verifier(block_hash):
-            entry.verified = True
-            return True
-        disk.remove(block_hash)  # type: ignore[union-attr]
-        self.num_corrupt_disk_blocks += 1
-        self.pool.moves.append(TierMove(MoveKind.DELETE, BlockId(-1), -1, block_hash))
-        if block_hash not in self.pool.cached and (self.host is None or block_hash not in self.host):
-            self.events.removed([block_hash], Tier.DISK)
-        return False
-
-    def _onboard(self, request: CacheRequest, matched: list[KvBlock], lower: list[BlockHash]) -> list[KvBlock]:
-        """Device blocks for the host-tier part of a prefix, published now, their copies queued.
-        A key another request of the batch onboarded already is shared instead."""
-        blocks: list[KvBlock] = []
-        for block_hash in lower:
-            existing = self.pool.lookup(block_hash)
-            if existing is not None:  # onboarded by an earlier request of the batch: a device hit now
-                self.pool.ref(existing)
-                blocks.append(existing)
-                self.num_hit_tokens_by_tier[Tier.DEVICE] += self.tokens_per_block
-                continue
-            (block,) = self.pool.allocate(1)
-            in_host = self.host is not None and block_hash in self.host
-            tier = self.host if in_host else self.disk
-            entry = self._lower_entry(block_hash)  # pinned since phase 1
-            parent = (matched + blocks)[-1] if matched or blocks else None
-            self.pool.publish(block, block_hash, parent, entry.priority, None, request.lora_id,
-                              onboarded=Tier.HOST if in_host else Tier.DISK)
-            kind = MoveKind.ONBOARD if in_host else MoveKind.LOAD
-            self.num_hit_tokens_by_tier[Tier.HOST if in_host else Tier.DISK] += self.tokens_per_block
-            self.pool.moves.append(TierMove(kind, block.block_id, entry.slot if in_host else -1, block_hash))
-            tier.touch(block_hash)  # type: ignore[union-attr]
-            blocks.append(block)
-        return blocks
-
-    def _lower_entry(self, block_hash: BlockHash) -> TierEntry:
-        for tier in (self.host, self.disk):
-            if tier is not None and (entry := tier.get(block_hash)) is not None:
-                return entry
-        raise KeyError(block_hash)
 
     def _num_claim_blocks(self, request: CacheRequest) -> int:
         num_tokens = request.num_claim_tokens or len(request.token_ids)

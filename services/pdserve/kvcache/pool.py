@@ -166,13 +166,13 @@ class BlockPool:
             return False
         slot, dropped, dropped_entry = taken
         if dropped is not None and dropped_entry is not None:
-            self._host_let_go(dropped, dropped_entry)  # its spill is queued before the slot is reused
+            self.keep_on_disk(dropped, dropped_entry)  # its spill is queued before the slot is reused
         parent = block.parent.block_hash if block.parent is not None else None
         host.add(block_hash, slot, parent, block.priority, None)
         self.moves.append(TierMove(MoveKind.OFFLOAD, block.block_id, slot))
         return True
 
-    def _host_let_go(self, block_hash: BlockHash, entry: TierEntry) -> None:
+    def keep_on_disk(self, block_hash: BlockHash, entry: TierEntry) -> None:
         """The host tier evicted `entry`: keep it on disk if it is there or may move there."""
         disk = self.disk
         on_disk = disk is not None and block_hash in disk

@@ -90,10 +90,10 @@ def test_prefixes_offloaded_to_the_host_tier_and_copied_back_give_the_same_token
     engine = _engine(checkpoints[kind], num_blocks=24, host_blocks=64, kernels=kernels)
     assert _generate(engine, PROMPTS, "cold") == expected[kind]
     _generate(engine, [prompt(50, 100 + i) for i in range(3)], "flush")  # pushes the prompts' blocks down
-    assert engine.kv.num_offloaded_blocks > 0
-    hits, onboarded = engine.kv.num_hit_tokens, engine.kv.num_onboarded_blocks
+    assert engine.kv.tiers.num_offloaded > 0
+    hits, onboarded = engine.kv.num_hit_tokens, engine.kv.tiers.num_onboarded
     assert _generate(engine, PROMPTS, "warm") == expected[kind]
-    assert engine.kv.num_onboarded_blocks > onboarded and engine.kv.num_hit_tokens > hits
+    assert engine.kv.tiers.num_onboarded > onboarded and engine.kv.num_hit_tokens > hits
 
 
 def test_lower_tier_copies_count_against_the_step_budget():
@@ -110,4 +110,4 @@ def test_host_tier_hits_under_a_small_step_budget_give_the_same_tokens(checkpoin
     _generate(engine, PROMPTS, "cold")
     _generate(engine, [prompt(50, 100 + i) for i in range(3)], "flush")
     assert _generate(engine, PROMPTS, "warm") == expected[kind]
-    assert engine.kv.num_onboarded_blocks > 0
+    assert engine.kv.tiers.num_onboarded > 0

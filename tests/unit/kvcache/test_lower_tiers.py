@@ -75,8 +75,8 @@ def test_an_evicted_block_moves_down_and_a_prefix_hit_comes_back_from_the_host()
             if isinstance(e, BlockUpdated) and e.tier is Tier.DEVICE] == [(Tier.HOST, Tier.DEVICE, h)
                                                                           for h in a.block_hashes(4)[:2]]
     assert not [e for e in events if isinstance(e, BlockStored) and e.block_hashes[0] in a.block_hashes(4)[:2]]
-    assert (m.num_offloaded_blocks, m.num_onboarded_blocks) == (4, 2)  # b's blocks moved down to make room
-    assert m.num_hit_tokens_by_tier == [0, 8, 0]
+    assert (m.tiers.num_offloaded, m.tiers.num_onboarded) == (4, 2)  # b's blocks moved down to make room
+    assert m.tiers.hit_tokens == [0, 8, 0]
 
 
 def test_blocks_below_the_offload_priority_are_dropped():
@@ -162,7 +162,7 @@ def test_random_traffic_keeps_every_cached_block_holding_its_own_kv():
             continue
         priorities = [(0, len(prompt), rng.choice([10, 35, 80]))] if rng.random() < 0.3 else []
         serve(m, data, make_request(f"r{i}", prompt, priorities=priorities))
-    assert m.num_onboarded_blocks > 20 and m.num_offloaded_blocks > 20
+    assert m.tiers.num_onboarded > 20 and m.tiers.num_offloaded > 20
 
 
 def test_random_traffic_through_three_tiers_keeps_every_cached_block_holding_its_own_kv():
@@ -173,7 +173,7 @@ def test_random_traffic_through_three_tiers_keeps_every_cached_block_holding_its
         prompt = rng.choice(prefixes)[: rng.randint(1, 12)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 6))]
         priorities = [(0, len(prompt), rng.choice([10, 35, 80]))] if rng.random() < 0.3 else []
         serve(m, data, make_request(f"r{i}", prompt, priorities=priorities))
-    assert m.num_spilled_blocks > 10 and m.num_loaded_blocks > 10
+    assert m.tiers.num_spilled > 10 and m.tiers.num_loaded > 10
 
 
 def test_a_block_the_host_tier_lets_go_moves_to_disk_and_comes_back_from_there():
@@ -188,7 +188,7 @@ def test_a_block_the_host_tier_lets_go_moves_to_disk_and_comes_back_from_there()
     analysis = m.analyze_prefix_reuse(make_request("again", range(5)))
     assert (analysis.num_cached_tokens, analysis.num_cached_by_tier) == (4, (0, 0, 1))
     assert serve(m, data, make_request("again", range(5))) == 4
-    assert m.num_loaded_blocks == 1 and m.num_hit_tokens_by_tier == [0, 0, 4]
+    assert m.tiers.num_loaded == 1 and m.tiers.hit_tokens == [0, 0, 4]
 
 
 def test_blocks_found_on_disk_at_start_are_announced_and_a_corrupt_one_is_a_miss():
@@ -203,7 +203,7 @@ def test_blocks_found_on_disk_at_start_are_announced_and_a_corrupt_one_is_a_miss
     data = Bytes()
     data.disk = {good_key: good_key, bad_key: b"garbage"}
     assert serve(m, data, make_request("bad2", range(100, 105))) == 0  # a miss, never the corrupt bytes
-    assert (m.num_corrupt_disk_blocks, bad_key in m.disk, bad_key in data.disk) == (1, False, False)
+    assert (m.tiers.num_corrupt, bad_key in m.disk, bad_key in data.disk) == (1, False, False)
     assert [(type(e), e.tier) for e in m.drain_events() if isinstance(e, BlockRemoved)] == [(BlockRemoved, Tier.DISK)]
     assert serve(m, data, make_request("good2", range(5))) == 4
 

@@ -54,10 +54,10 @@ def test_blocks_pushed_through_the_host_tier_to_disk_come_back_with_the_same_tok
     first, cached = generate(llm, PROMPT, "first")
     assert cached == 0
     push_down(llm)
-    assert llm.kv.num_spilled_blocks >= 4 and list(tmp_path.rglob("*.kv"))
+    assert llm.kv.tiers.num_spilled >= 4 and list(tmp_path.rglob("*.kv"))
     again, cached = generate(llm, PROMPT, "again")
     assert again == first and cached == 64
-    assert llm.kv.num_loaded_blocks >= 1
+    assert llm.kv.tiers.num_loaded >= 1
 
 
 def test_a_restart_takes_the_blocks_over_and_a_corrupt_file_is_a_miss(checkpoint, tmp_path):
@@ -82,7 +82,7 @@ def test_a_restart_takes_the_blocks_over_and_a_corrupt_file_is_a_miss(checkpoint
     third = engine(checkpoint, tmp_path)
     tokens, cached = generate(third, PROMPT, "corrupt")
     assert (tokens, cached) == (first, 0)
-    assert third.kv.num_corrupt_disk_blocks == 1  # the first block of the prompt: the walk stops there
+    assert third.kv.tiers.num_corrupt == 1  # the first block of the prompt: the walk stops there
 
 
 def test_files_of_other_weights_or_formats_are_left_alone(checkpoint, tmp_path):
@@ -105,5 +105,5 @@ def test_a_block_file_gone_when_it_is_read_back_is_recomputed_not_served(checkpo
         path.unlink()
     again, cached = generate(llm, PROMPT, "again")
     assert again == first
-    assert llm.kv.num_corrupt_disk_blocks >= 1
+    assert llm.kv.tiers.num_corrupt >= 1
     assert llm.kv.num_used_blocks == 0

@@ -62,7 +62,7 @@ class Served:
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "w")  # noqa: SIM115 - closed in close()
         self._process = subprocess.Popen([*COMMAND, "serve", "--aggregated", "--model", model, "--port", str(port),
-                                          "--log-level", "warning", *flags], stdout=self._log, stderr=subprocess.STDOUT)
+                                          "--max-model-len", "2048", "--log-level", "warning", *flags], stdout=self._log, stderr=subprocess.STDOUT)
         started = time.monotonic()
         while not self._ready():
             if self._process.poll() is not None or time.monotonic() - started > READY_TIMEOUT_S:
@@ -119,7 +119,7 @@ def tier_ttft(args: argparse.Namespace, model: str, out_dir: Path) -> list[dict]
         served.ask("warm up")
         for trial in range(args.trials):
             prompt = text(rng, 700, f"Long prompt {trial}")
-            for stage, num_fillers in (("nowhere", 0), ("device", 0), ("host", 4), ("disk", 5)):
+            for stage, num_fillers in (("nowhere", 0), ("device", 0), ("host", 6), ("disk", 12)):
                 for f in range(num_fillers):
                     served.ask(text(rng, 700, f"Filler {trial}.{stage}.{f}"), max_tokens=1)
                 before = served.counters()

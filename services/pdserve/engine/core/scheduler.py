@@ -16,9 +16,9 @@ from pdserve.engine.core.sequence import Sequence, SeqStatus
 from pdserve.kvcache import KvCacheManager, Tier
 
 # Tokens of the step budget one cached token costs when its block is copied back from a lower
-# tier instead of computed: a block copied back took about a tenth of the time computing it
-# takes on CPU (benchmarks/kv_tiers.py: ~1000-token prompts, 1.09 s computed against 0.09 s
-# copied back from host memory or the page cache); disk may be colder.
+# tier instead of computed: on CPU a ~1000-token prompt took 0.16 of its recompute time from the
+# host tier and 0.20 from disk, its last token's forward included (benchmarks/tiers.py); a cold
+# disk is slower than the page cache measured there.
 COPY_COST_DIVISOR = {Tier.HOST: 8, Tier.DISK: 4}
 
 

@@ -216,3 +216,16 @@ def test_a_graceful_stop_writes_the_host_tier_to_disk():
     data.apply(m, m.spill_host_tier())
     assert set(m.disk.entries) == set(m.host.entries)
     data.check(m)
+
+
+def test_a_full_host_tier_drops_its_lowest_priority_entry_first_then_the_least_recent():
+    m, data = make_manager(num_blocks=2, num_host_blocks=2), Bytes()
+    keys = {}
+    for name, start, priority in (("hot", 0, 90), ("warm", 100, 50), ("next", 200, 35), ("last", 300, 35)):
+        request = make_request(name, range(start, start + 5), priorities=[(0, 5, priority)])
+        keys[name] = request.block_hashes(4)[0]
+        serve(m, data, request)
+    # hot then warm moved down; next pushed last's predecessor down: the host tier was full, and
+    # warm (priority 50) went before hot (90) although hot is older
+    assert set(m.host.entries) == {keys["hot"], keys["next"]}
+    assert keys["last"] in m.pool.cached

@@ -76,7 +76,7 @@ def with_identity(settings: WorkerSettings) -> tuple[WorkerSettings, TlsConfig |
     if tls is None:
         return settings, None
     if settings.worker_id not in (None, tls.identity):
-        raise ConfigError("worker_id", settings.worker_id,
+        raise ConfigError("--worker-id", settings.worker_id,
                           f"the certificate in {settings.tls_dir} names {tls.identity!r}; a worker's id is its identity")
     return dataclasses.replace(settings, worker_id=tls.identity), tls
 

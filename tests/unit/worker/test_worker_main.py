@@ -1,8 +1,14 @@
-"""How `pdserve worker` turns its settings into the engine's build spec."""
+"""How `pdserve worker` turns its settings into the engine's build spec and its identity."""
+import socket
+
+import pytest
+
+from pdserve.common import pki
+from pdserve.common.errors import ConfigError
 from pdserve.common.model_source import default_model_path
 from pdserve.common.settings import resolve_worker_settings
 from pdserve.common.stats import WorkerRole
-from pdserve.worker.__main__ import CPU_DEFAULT_KV_BYTES, engine_spec
+from pdserve.worker.__main__ import CPU_DEFAULT_KV_BYTES, engine_spec, with_identity
 
 NO_ENV: dict[str, str] = {}
 
@@ -35,3 +41,29 @@ def test_explicit_token_limit_replaces_the_cpu_cap() -> None:
     spec = engine_spec(resolve_worker_settings(
         ["--device", "cpu", "--max-kv-tokens", "2048", "--max-model-len", "1024"], NO_ENV))
     assert (spec.kv.max_total_bytes, spec.kv.max_tokens) == (None, 2048)
+
+
+def test_tier_settings_reach_the_spec() -> None:
+    spec = engine_spec(resolve_worker_settings(
+        ["--device", "cpu", "--host-cache-size", "1GiB", "--secondary-offload-min-priority", "50",
+         "--disk-cache-dir", "/d", "--disk-cache-size", "2GiB"], NO_ENV))
+    assert (spec.kv.host_cache_size, spec.kv.secondary_offload_min_priority) == (1 << 30, 50)
+    assert (spec.disk_cache_dir, spec.disk_cache_size) == ("/d", 2 << 30)
+
+
+def test_a_disk_tier_without_a_host_tier_is_refused() -> None:
+    with pytest.raises(ConfigError, match="needs a host tier above it"):
+        resolve_worker_settings(["--disk-cache-dir", "/d"], NO_ENV)
+
+
+def test_a_worker_id_is_its_certificates_identity(tmp_path) -> None:
+    folder = str(pki.Authority.create("test").issue("decode-0").write(tmp_path))
+    settings, tls = with_identity(resolve_worker_settings(["--tls-dir", folder], NO_ENV))
+    assert (settings.worker_id, settings.peer_name, tls.identity) == ("decode-0", "decode-0", "decode-0")
+    with pytest.raises(ConfigError, match="names 'decode-0'; a worker's id is its identity"):
+        with_identity(resolve_worker_settings(["--tls-dir", folder, "--worker-id", "decode-1"], NO_ENV))
+
+
+def test_a_default_worker_id_on_a_wildcard_host_names_this_machine() -> None:
+    settings = resolve_worker_settings(["--host", "0.0.0.0", "--port", "50051", "--role", "decode"], NO_ENV)
+    assert settings.peer_name == f"decode@{socket.gethostname()}:50051"

@@ -30,10 +30,19 @@ POLL_S = 0.2
 COMMAND = (sys.executable, "-m", "pdserve.cli")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now and not handed out before in this benchmark run: two picks in a row
+    can otherwise return the same port, and two processes would be told to listen on it."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def vm_hwm_mib(pid: int) -> float | None:

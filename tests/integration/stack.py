@@ -68,10 +68,19 @@ def is_running(pid: int) -> bool:
         return False
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now and not handed out before in this test session: two picks in a row
+    can otherwise return the same port, and two processes would be told to listen on it."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def plain_text(args: Sequence[str]) -> list[str]:

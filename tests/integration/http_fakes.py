@@ -60,6 +60,7 @@ class WordBackend:
         self.hang_after: int | None = None  # outputs sent before waiting forever
         self.fail_after: int | None = None  # outputs sent before raising WorkerError
         self.fail_on_start: Exception | None = None
+        self.first_output_delay_s = 0.0  # a queued request: seconds before the first output
         self.stats_error: Exception | None = None
         self.closed_early = threading.Event()  # a stream was abandoned before it finished
         self.closed_ids: list[RequestId] = []
@@ -85,6 +86,7 @@ class WordBackend:
         stops = [StopChecker(sampling.stop, sampling.include_stop_str_in_output) for _ in range(sampling.n)]
         unfinished = set(range(sampling.n))
         num_sent = 0
+        await asyncio.sleep(self.first_output_delay_s)
         for step in range(sampling.max_tokens):
             for i in sorted(unfinished):
                 if num_sent == self.hang_after:

@@ -210,6 +210,8 @@ def build_parser(prog: str, options: list[Option]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, epilog=epilog,
                                      allow_abbrev=False)  # `--worker` must never pass for `--workers`
     parser.add_argument("--config", help="YAML, TOML or JSON file of flag: value pairs")
+    if any(o.flag == "model" for o in options):  # `pdserve serve /models/x`, as `vllm serve` takes it
+        parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the same as --model")
     for o in options:
         action = argparse.BooleanOptionalAction if o.is_bool else "append" if o.is_list else "store"
         parser.add_argument(f"--{o.flag}", action=action, help=o.help)

@@ -76,8 +76,8 @@ class WorkerSettings:
     """One worker process: its engine, its KV cache and where it serves gRPC.
 
     KV cache capacity is the smallest of the limits set: `kv_cache_memory` bytes,
-    `max_kv_tokens` tokens, and `gpu_memory_utilization` of the device memory free at start
-    (of available RAM on CPU).
+    `max_kv_tokens` tokens, and what `gpu_memory_utilization` of a GPU leaves after the
+    weights and activations (worker/memory_budget.py; on CPU, most of the RAM available).
     """
 
     model: str = opt(factory=default_model_path, parse=cv.parse_str,
@@ -111,7 +111,9 @@ class WorkerSettings:
                                                    "move down to the host tier; lower ones are dropped "
                                                    "(default 35: default-priority blocks move down)")
     gpu_memory_utilization: float = opt(0.9, parse=cv.parse_float,
-                                        help="fraction of free device memory (RAM on CPU) for the KV cache")
+                                        help="fraction of a GPU's total memory this worker may use, weights and "
+                                             "activations included (vLLM's meaning); the KV cache gets the rest. "
+                                             "CPU: unused (see --kv-cache-memory)")
     num_threads: int | None = opt(None, parse=cv.optional(cv.parse_int), help="torch CPU threads")
     kernels: str = opt("auto", parse=cv.choice("auto", "native", "torch"),
                        help="auto: the native CPU kernels where they run, else torch ops")
@@ -210,6 +212,13 @@ class RouterSettings:
                                         help="wait for a request's first output, queueing included")
     output_timeout_s: float = opt(120.0, parse=cv.parse_float, flag="output-timeout",
                                   help="longest wait between two outputs of one request (seconds)")
+    sse_keepalive_interval_s: float = opt(15.0, parse=cv.parse_float, flag="sse-keepalive-interval",
+                                          help="a stream with no event for this long (a queued request, a long "
+                                               "prefill) gets an SSE comment, so idle-timeout proxies keep it open "
+                                               "(seconds; 0: never)")
+    generation_config: str = opt("auto", parse=cv.parse_str,
+                                 help="default sampling parameters for fields a request leaves unset: auto (the "
+                                      "model folder's generation_config.json, as vLLM), vllm (none), or a folder")
     max_pending_requests: int = opt(1024, parse=cv.parse_int,
                                     help="generation requests in progress at once; one more is answered 503 with "
                                          "Retry-After at once")
@@ -251,6 +260,8 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         check(0 < self.port < 65536, "port", self.port, "must be in 1..65535")
+        check(self.sse_keepalive_interval_s >= 0, "sse_keepalive_interval_s", self.sse_keepalive_interval_s,
+              "must be >= 0")
         check_positive(self, "rpc_timeout_s", "generate_timeout_s", "worker_wait_timeout_s",
                        "first_output_timeout_s", "output_timeout_s", "session_ttl_s", "worker_poll_interval_s",
                        "worker_failure_threshold", "max_pending_requests")
@@ -279,6 +290,10 @@ def resolve_sources(prog: str, options: list[cv.Option], argv: Sequence[str] | N
     """Each set field's value and the label of the source it came from (e.g. `--port`)."""
     env = os.environ if environ is None else environ
     cli = vars(cv.build_parser(prog, options).parse_args(argv))
+    positional_model = cli.pop("model_tag", None)
+    if positional_model is not None:
+        given = cli.setdefault("model", positional_model)
+        check(given == positional_model, "--model", given, f"names another model than the positional {positional_model!r}")
     config_path = cli.pop("config", None) or env.get(CONFIG_ENV)
     in_file = cv.file_values(config_path, options) if config_path else {}
     values: dict[Target, object] = {}

@@ -23,12 +23,14 @@ from pdserve.common.ports import check_port_free
 from pdserve.common.settings import RouterSettings, resolve_router_settings
 from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls
 from pdserve.models.tokenizer import Tokenizer, load_tokenizer
+from pdserve.models.generation_config import generation_defaults
 from pdserve.router.openai.app import create_app
 from pdserve.router.openai.access.keys import ApiKeys, load_api_keys
 from pdserve.router.routing.cluster import Cluster, ClusterConfig
 from pdserve.router.routing.cost import CostWeights
 from pdserve.router.routing.planner import Planner, RoutingConfig
 from pdserve.router.routing.routed_backend import RoutedBackend
+from pdserve.router.openai.sampling import checked_defaults
 from pdserve.router.openai.serving import ApiLimits
 from pdserve.router.routing.worker_pool import PoolConfig
 
@@ -70,6 +72,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKeys | None,
                  tls: TlsConfig | None) -> None:
     """Serve HTTP until a signal stops uvicorn; the app's shutdown closes the cluster."""
+    sampling_defaults = checked_defaults(generation_defaults(settings.generation_config, settings.model))
     cluster = Cluster(cluster_config(settings, tls))
     try:
         info = await cluster.start()
@@ -79,9 +82,10 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
         raise
     backend = RoutedBackend(cluster, planner, info, settings.session_header)
     limits = ApiLimits(first_output_timeout_s=settings.first_output_timeout_s, output_timeout_s=settings.output_timeout_s,
-                       max_pending_requests=settings.max_pending_requests)
+                       max_pending_requests=settings.max_pending_requests,
+                       keepalive_interval_s=settings.sse_keepalive_interval_s or None)
     app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend,
-                     api_keys=api_keys, protect_metrics=settings.protect_metrics)
+                     api_keys=api_keys, protect_metrics=settings.protect_metrics, sampling_defaults=sampling_defaults)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     _log.info("serving %s from %d worker(s), %s routing, on http://%s:%d",

@@ -45,7 +45,7 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
     kv = KvCacheConfig(
         max_tokens=settings.max_kv_tokens,
         max_total_bytes=CPU_DEFAULT_KV_BYTES if on_cpu_unsized else settings.kv_cache_memory,
-        free_memory_fraction=settings.gpu_memory_utilization,
+        free_memory_fraction=1.0,  # of the budget bootstrap.kv_memory_budget computes
         tokens_per_block=settings.block_size,
         enable_block_reuse=settings.enable_prefix_caching,
         host_cache_size=settings.host_cache_size,
@@ -58,6 +58,7 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
         dtype=settings.dtype, device=device, kv_cache_dtype=settings.kv_cache_dtype, kv=kv,
         scheduler=scheduler, num_threads=settings.num_threads, kernels=settings.kernels,
         cache_dir=settings.cache_dir, disk_cache_dir=settings.disk_cache_dir, disk_cache_size=settings.disk_cache_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
     )
 
 

@@ -1,7 +1,8 @@
 """Build a worker's engine from its settings: tokenizer, model runner, KV cache, scheduler.
 
 The only place that sizes the KV cache: the smallest of `max_tokens`, `max_total_bytes` and
-`free_memory_fraction` of the memory available on the device (RAM on CPU).
+the memory budget of `memory_budget.py` (on a GPU, `--gpu-memory-utilization` of the device
+with vLLM's meaning; on a CPU, most of the RAM available).
 """
 import logging
 import os
@@ -21,10 +22,12 @@ from pdserve.transfer.kv_files import BlockFiles, fingerprint
 from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.engine.model.runner import ModelRunner
 from pdserve.engine.core.scheduler import SchedulerConfig
+from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device, resolve_dtype
 from pdserve.kvcache import HASH_ALGORITHM, KvCacheConfig, KvCacheManager
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.kv_tiers import KvTierStore, adopt_disk_blocks
+from pdserve.worker.memory_budget import StepShape, cpu_kv_budget, gpu_kv_budget, non_kv_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class EngineSpec:
     cache_dir: str | None = None  # keeps GGUF conversions (weights, tokenizer); None: no cache
     disk_cache_dir: str | None = None  # the disk KV tier's folder (below the host tier); None: no disk tier
     disk_cache_size: int = 4 << 30
+    gpu_memory_utilization: float = 0.9  # of a GPU's total memory, for the whole process (memory_budget.py)
 
 
 def build_llm_engine(spec: EngineSpec) -> LLMEngine:
@@ -55,7 +59,7 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
     device = resolve_device(spec.device)
     model_dtype = resolve_dtype(spec.dtype, config)
     per_block = bytes_per_block(config, spec.kv.tokens_per_block, kv_storage_dtype(spec.kv_cache_dtype, model_dtype))
-    num_blocks = spec.kv.num_blocks(per_block, available_memory(device))
+    num_blocks = spec.kv.num_blocks(per_block, kv_memory_budget(spec, config, model_dtype, device))
     max_len = spec.scheduler.max_model_len
     if num_blocks * spec.kv.tokens_per_block < max_len:
         raise ConfigError("max_model_len", max_len,
@@ -121,11 +125,18 @@ def build_threaded_engine(spec: EngineSpec) -> ThreadedEngine:
     return ThreadedEngine(engine, info)
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free on the device: CUDA's free memory, or the RAM the OS reports available."""
+def kv_memory_budget(spec: EngineSpec, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes the KV cache may take on `device` (see memory_budget.py)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
+        free, total = torch.cuda.mem_get_info(device)
+        step = StepShape(spec.scheduler.max_num_batched_tokens, spec.scheduler.max_num_seqs)
+        non_kv = non_kv_bytes(config, torch.finfo(dtype).bits // 8, step)
+        return gpu_kv_budget(total, free, spec.gpu_memory_utilization, non_kv)
+    return cpu_kv_budget(available_ram())
+
+
+def available_ram() -> int:
+    """Bytes of RAM the OS reports available."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

@@ -150,3 +150,15 @@ def test_topology_roles() -> None:
     assert ServeTopology(num_prefill=2, num_decode=3).roles() == (P, P, D, D, D)
     assert ServeTopology(num_aggregated=2).roles() == (B, B)
     assert ServeTopology(aggregated=True).roles() == (B,)
+
+
+def test_the_model_may_come_first_as_vllm_serve_takes_it(tmp_path) -> None:
+    settings = resolve_serve_settings([str(tmp_path), "--aggregated"], {})
+    assert settings.router.model == str(tmp_path) and {w.model for w in settings.workers} == {str(tmp_path)}
+    same = resolve_serve_settings([str(tmp_path), "--model", str(tmp_path)], {})
+    assert same.router.model == str(tmp_path)
+
+
+def test_a_positional_model_and_another_model_flag_are_refused(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="positional"):
+        resolve_serve_settings([str(tmp_path / "a"), "--model", str(tmp_path / "b")], {})

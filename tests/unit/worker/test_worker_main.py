@@ -23,7 +23,7 @@ def test_spec_carries_every_setting() -> None:
     spec = engine_spec(settings)
     assert (spec.model, spec.served_model_name, spec.role) == (default_model_path(), "tiny", WorkerRole.DECODE)
     assert (spec.device, spec.dtype, spec.kv_cache_dtype, spec.num_threads) == ("cpu", "float32", "fp8", 1)
-    assert (spec.kv.max_total_bytes, spec.kv.max_tokens, spec.kv.free_memory_fraction) == (64 << 20, 4096, 0.5)
+    assert (spec.kv.max_total_bytes, spec.kv.max_tokens, spec.gpu_memory_utilization) == (64 << 20, 4096, 0.5)
     assert (spec.kv.tokens_per_block, spec.kv.enable_block_reuse) == (32, False)
     assert (spec.scheduler.max_num_seqs, spec.scheduler.max_num_batched_tokens) == (8, 256)
     assert spec.scheduler.max_model_len == 512

@@ -15,8 +15,9 @@ order) and the routing backend's session header, if configured, pins a session t
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from types import MappingProxyType
 
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -61,12 +62,14 @@ def create_app(
     routing: Routing | None = None,
     api_keys: ApiKeys | None = None,
     protect_metrics: bool = False,
+    sampling_defaults: Mapping[str, float | int] | None = None,
 ) -> FastAPI:
     """An app serving `info`'s model (under `model_name` if given); it closes `backend` on shutdown.
     `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself).
-    `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too."""
+    `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too.
+    `sampling_defaults`: the model's, for fields a request leaves unset (`sampling.checked_defaults`)."""
     ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics(),
-                         LogprobFormatter(tokenizer))
+                         LogprobFormatter(tokenizer), sampling_defaults=MappingProxyType(dict(sampling_defaults or {})))
     if routing is not None:
         ctx.metrics.registry.register(routing.metrics_collector())
 

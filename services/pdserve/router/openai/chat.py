@@ -24,7 +24,7 @@ from pdserve.router.openai.responses import (
     ChatStreamChoice,
     ChatTokenLogprob,
 )
-from pdserve.router.openai.sampling import check_chat_supported
+from pdserve.router.openai.sampling import check_chat_supported, with_defaults
 from pdserve.router.openai.serving import (
     Event,
     MaxTokens,
@@ -93,22 +93,24 @@ class _Chat:
 
 
 async def create_chat_completion(request: Request, ctx: ServingContext, response_id: str) -> Response:
-    body = parse_body(await read_body(request, ctx.limits.max_body_bytes), ChatCompletionRequest)
+    body = with_defaults(parse_body(await read_body(request, ctx.limits.max_body_bytes), ChatCompletionRequest),
+                         ctx.sampling_defaults)
     ctx.check_model(body.model)
     check_chat_supported(body)
     prompt = chat_prompt(body, ctx.tokenizer, ctx.info.max_model_len)
     if body.max_completion_tokens is not None:
-        max_tokens = MaxTokens(body.max_completion_tokens, None, "max_completion_tokens")
+        max_tokens = MaxTokens(body.max_completion_tokens, ctx.default_max_tokens(None), "max_completion_tokens")
     else:
-        max_tokens = MaxTokens(body.max_tokens, None, "max_tokens")
+        max_tokens = MaxTokens(body.max_tokens, ctx.default_max_tokens(None), "max_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     requests = generation_requests(ctx, body, [prompt], response_id, max_tokens, logprobs)
     state = _Chat(
         ctx, body, response_id, UsageCounter([prompt]), RequestTimer(ctx.metrics), ctx.logprobs
     )
     if body.stream:
-        _, events = await unless_disconnected(request, prefetch(ctx.run(requests)))
-        return SseResponse(_stream(state, events))
+        keepalive_s = ctx.limits.keepalive_interval_s
+        events = await unless_disconnected(request, prefetch(ctx.run(requests), keepalive_s))
+        return SseResponse(_stream(state, events), keepalive_s)
     for event in await collect(request, ctx.run(requests)):
         state.add(event)
     state.timer.finish()

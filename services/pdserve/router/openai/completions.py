@@ -14,7 +14,7 @@ from pdserve.router.openai.metrics import RequestTimer
 from pdserve.router.openai.prompts import completion_prompts
 from pdserve.router.openai.protocol import CompletionRequest
 from pdserve.router.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
-from pdserve.router.openai.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_completion_supported
+from pdserve.router.openai.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_completion_supported, with_defaults
 from pdserve.router.openai.serving import (
     Event,
     MaxTokens,
@@ -85,19 +85,21 @@ def _extend(total: CompletionLogprobs | None, step: CompletionLogprobs) -> Compl
 
 
 async def create_completion(request: Request, ctx: ServingContext, response_id: str) -> Response:
-    body = parse_body(await read_body(request, ctx.limits.max_body_bytes), CompletionRequest)
+    body = with_defaults(parse_body(await read_body(request, ctx.limits.max_body_bytes), CompletionRequest),
+                         ctx.sampling_defaults)
     ctx.check_model(body.model)
     check_completion_supported(body)
     info = ctx.info
     prompts = completion_prompts(body, ctx.tokenizer, info.vocab_size, info.max_model_len)
-    max_tokens = MaxTokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+    max_tokens = MaxTokens(body.max_tokens, ctx.default_max_tokens(DEFAULT_COMPLETION_MAX_TOKENS), "max_tokens")
     requests = generation_requests(ctx, body, prompts, response_id, max_tokens, body.logprobs)
     state = _Completion(
         ctx, body, response_id, UsageCounter(prompts), RequestTimer(ctx.metrics), ctx.logprobs
     )
     if body.stream:
-        _, events = await unless_disconnected(request, prefetch(ctx.run(requests)))
-        return SseResponse(_stream(state, events))
+        keepalive_s = ctx.limits.keepalive_interval_s
+        events = await unless_disconnected(request, prefetch(ctx.run(requests), keepalive_s))
+        return SseResponse(_stream(state, events), keepalive_s)
     for event in await collect(request, ctx.run(requests)):
         state.add(event)
     state.timer.finish()

@@ -1,11 +1,14 @@
 """Request bodies of the OpenAI-compatible API, validated strictly (wrong JSON types are errors).
 
+An explicit `null` for an optional field means its default, as the OpenAI spec and vLLM have it
+(clients such as LangChain send `"n": null`); a required field stays required.
+
 Field names follow OpenAI and vLLM's extensions. pdserve's own extensions: `cache_salt`
 (tenant isolation of cached blocks), `priority` (retention priority of the prompt's blocks:
 one value for the whole prompt, or token ranges with a priority and an optional duration) and
 `lora_id` (reserved). Range checks that need the prompt or the model live in `sampling.py`.
 """
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,10 +20,31 @@ MAX_SALT_CHARS = 256
 MAX_PRIORITY_RANGES = 64
 
 
-class StrictModel(BaseModel):
-    """JSON types must match exactly; NaN and infinities are refused; unknown keys are ignored."""
+def _nullable_optionals(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The JSON schema says what `_null_means_default` accepts: null for each optional field."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        variants = prop.get("anyOf", [prop])
+        if name not in required and {"type": "null"} not in variants:
+            described = {key: prop.pop(key) for key in ("title", "description", "default") if key in prop}
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **described}
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+
+class StrictModel(BaseModel):
+    """JSON types must match exactly; NaN and infinities are refused; unknown keys are ignored;
+    null for an optional field is its default."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True,
+                              json_schema_extra=_nullable_optionals)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or (key in fields and fields[key].is_required())}
 
 
 class StreamOptions(StrictModel):

@@ -3,6 +3,13 @@
 Every refusal is a 400 naming the field. Features pdserve does not implement are refused
 rather than silently ignored, so a client never gets output it did not ask for.
 """
+import logging
+from collections.abc import Mapping
+from typing import TypeVar
+
+from pydantic import ValidationError
+
+from pdserve.common.errors import ConfigError
 from pdserve.common.request import PriorityRange, SamplingParams
 from pdserve.router.openai.errors import bad_request
 from pdserve.router.openai.protocol import (
@@ -15,6 +22,33 @@ from pdserve.router.openai.protocol import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+_log = logging.getLogger(__name__)
+BodyT = TypeVar("BodyT", bound=SamplingBody)
+Defaults = Mapping[str, float | int]
+
+
+def checked_defaults(defaults: Defaults) -> dict[str, float | int]:
+    """The model's default sampling values this API applies (see `with_defaults`); a value a
+    request could not send is a ConfigError at start, and a field it has no name for is left out."""
+    known = {name: value for name, value in defaults.items() if name in CompletionRequest.model_fields}
+    if len(known) < len(defaults):
+        _log.warning("the model's default %s: not a parameter of this API, not applied",
+                     ", ".join(sorted(set(defaults) - set(known))))
+    try:
+        CompletionRequest.model_validate({"prompt": "", **known})
+    except ValidationError as exc:
+        raise ConfigError("generation_config", known, str(exc.errors()[0]["msg"])) from None
+    return known
+
+
+def with_defaults(body: BodyT, defaults: Defaults) -> BodyT:
+    """`body` with the model's default (`checked_defaults`) for each field the request left
+    unset or null, as vLLM applies a checkpoint's generation_config.json. `max_tokens` is not
+    set here: a default is capped to the context left (`ServingContext.default_max_tokens`),
+    where a request's own value must fit."""
+    update = {name: value for name, value in defaults.items()
+              if name in type(body).model_fields and name not in body.model_fields_set and name != "max_tokens"}
+    return body.model_copy(update=update) if update else body
 
 
 def check_supported(body: SamplingBody) -> None:

@@ -1,8 +1,8 @@
 """What completions and chat share: the serving context, request building, usage, collection."""
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -35,6 +35,7 @@ class ApiLimits:
     max_pending_requests: int = 1024  # generation requests; one more gets 503 + Retry-After at once
     first_output_timeout_s: float = 600.0  # a long prompt's prefill, queueing included
     output_timeout_s: float = 120.0  # between two outputs of one prompt
+    keepalive_interval_s: float | None = 15.0  # an SSE comment after this long without an event (None: never)
     max_choices: int = 256  # prompts × n
 
 
@@ -48,11 +49,18 @@ class ServingContext:
     metrics: RouterMetrics
     logprobs: LogprobFormatter  # shared, so its token-text cache serves every request
     tenant: Tenant | None = None  # the caller's, once authenticated (None: no API keys configured)
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)  # the model's (sampling.with_defaults)
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             raise ApiError(404, f"the model '{requested}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model")
+
+    def default_max_tokens(self, api_default: int | None) -> int | None:
+        """Tokens to generate when a request names no bound: the model's default, else the API's
+        (either capped to the context left)."""
+        model_default = self.sampling_defaults.get("max_tokens")
+        return api_default if model_default is None else int(model_default)
 
     def run(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Event]:
         timeouts = StreamTimeouts(self.limits.first_output_timeout_s, self.limits.output_timeout_s)

@@ -219,6 +219,10 @@ class RouterSettings:
     generation_config: str = opt("auto", parse=cv.parse_str,
                                  help="default sampling parameters for fields a request leaves unset: auto (the "
                                       "model folder's generation_config.json, as vLLM), vllm (none), or a folder")
+    migration_limit: int = opt(3, parse=cv.parse_int,
+                               help="times one request may move to another decode worker when its own fails "
+                                    "mid-stream, continuing from the tokens already sent (0: the stream ends "
+                                    "with an error instead)")
     max_pending_requests: int = opt(1024, parse=cv.parse_int,
                                     help="generation requests in progress at once; one more is answered 503 with "
                                          "Retry-After at once")
@@ -267,6 +271,7 @@ class RouterSettings:
                        "worker_failure_threshold", "max_pending_requests")
         check(len(set(self.workers)) == len(self.workers), "workers", ",".join(self.workers),
               "names a worker twice")
+        check(self.migration_limit >= 0, "migration_limit", self.migration_limit, "must be >= 0")
         check(self.router_temperature >= 0, "router_temperature", self.router_temperature, "must be >= 0")
         check(self.prefill_load_scale >= 0, "prefill_load_scale", self.prefill_load_scale, "must be >= 0")
         for name in ("host_cache_hit_weight", "disk_cache_hit_weight"):

@@ -28,6 +28,7 @@ from pdserve.router.openai.app import create_app
 from pdserve.router.openai.access.keys import ApiKeys, load_api_keys
 from pdserve.router.routing.cluster import Cluster, ClusterConfig
 from pdserve.router.routing.cost import CostWeights
+from pdserve.router.routing.migration import MigrationPolicy
 from pdserve.router.routing.planner import Planner, RoutingConfig
 from pdserve.router.routing.routed_backend import RoutedBackend
 from pdserve.router.openai.sampling import checked_defaults
@@ -80,7 +81,8 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
     except BaseException:
         await cluster.close()
         raise
-    backend = RoutedBackend(cluster, planner, info, settings.session_header)
+    migration = MigrationPolicy(settings.migration_limit, tokenizer.decode)
+    backend = RoutedBackend(cluster, planner, info, settings.session_header, migration)
     limits = ApiLimits(first_output_timeout_s=settings.first_output_timeout_s, output_timeout_s=settings.output_timeout_s,
                        max_pending_requests=settings.max_pending_requests,
                        keepalive_interval_s=settings.sse_keepalive_interval_s or None)

@@ -5,6 +5,8 @@ Contracts, beyond `GenerateBackend`'s:
 - a request is never failed by a worker that is unreachable before it answered: the worker
   is probed (and taken out of rotation if the probe fails too) and the request routed again,
   each decode worker at most once;
+- a request whose decode worker becomes unreachable mid-stream is migrated (`migration.py`):
+  continued on another decode worker from the tokens already streamed, up to the policy's limit;
 - every dispatch counts on its workers' load until the request ends (its prefill part until
   the first output), so the next decision sees it before the workers report it;
 - each decision is logged and kept for `describe_route` (the HTTP layer's response header).
@@ -22,6 +24,7 @@ from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.kvcache import hash_request_blocks
 from pdserve.router.backend import GenerateBackend
 from pdserve.router.routing.cluster import Cluster
+from pdserve.router.routing.migration import MigrationPolicy, Progress, as_original, can_migrate, continuation
 from pdserve.router.routing.planner import Planner, RouteDecision
 from pdserve.router.routing.registration import DECODE_ROLES
 from pdserve.router.routing.routing_metrics import RoutingCollector
@@ -40,21 +43,25 @@ def prompt_block_keys(request: GenerationRequest, tokens_per_block: int) -> list
 
 
 class RoutedBackend:
-    def __init__(self, cluster: Cluster, planner: Planner, info: ModelInfo, session_header: str | None = None) -> None:
+    def __init__(self, cluster: Cluster, planner: Planner, info: ModelInfo, session_header: str | None = None,
+                 migration: MigrationPolicy = MigrationPolicy()) -> None:
         self.session_header = session_header
         self._cluster = cluster
         self._pool = cluster.pool
         self._planner = planner
         self._info = info
         self._decisions: OrderedDict[RequestId, RouteDecision] = OrderedDict()
-        self._live: dict[RequestId, RouteDecision] = {}
+        self._live: dict[RequestId, tuple[RequestId, RouteDecision]] = {}  # client's id -> (worker's id, route)
+        self._migration = migration
 
     async def generate(self, request: GenerationRequest, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
         keys = prompt_block_keys(request, self._info.tokens_per_block)
         failed: dict[WorkerId, WorkerUnavailableError] = {}  # decode workers that failed it, in order
+        progress = Progress()
+        attempt, unsent_text = request, ""  # the request a worker runs: the original or a continuation
         while True:
             try:
-                decision = self._planner.plan(keys, len(request.prompt_token_ids), failed, session_id)
+                decision = self._planner.plan(keys, len(attempt.prompt_token_ids), failed, session_id)
             except WorkerUnavailableError:
                 if failed:  # the last worker's own failure says more than "none left"
                     raise list(failed.values())[-1] from None
@@ -62,23 +69,38 @@ class RoutedBackend:
             self._note(request.request_id, decision)
             has_output = False
             try:
-                async with aclosing(self._dispatch(request, decision)) as outputs:
+                async with aclosing(self._dispatch(attempt, decision, request.request_id)) as outputs:
                     async for output in outputs:
                         has_output = True
+                        if attempt is not request:
+                            output, unsent_text = as_original(output, request, unsent_text), ""
+                        progress.add(output)
                         yield output
                 return
             except WorkerUnavailableError as exc:
                 worker = decision.decode.worker
                 await self._pool.probe(worker)
-                if has_output:
-                    raise
-                log.warning("request %s: worker %s failed before answering (%s); routing again",
-                            request.request_id, worker, exc.reason)
-                self._cluster.counters.retries[worker] += 1
                 failed[worker] = exc
+                if not has_output:
+                    log.warning("request %s: worker %s failed before answering (%s); routing again",
+                                request.request_id, worker, exc.reason)
+                    self._cluster.counters.retries[worker] += 1
+                    continue
+                if not can_migrate(request, progress, self._migration):
+                    raise
+                unsent_text += progress.unsent_text(request, self._migration.decode)
+                attempt = continuation(request, progress)
+                progress.num_migrations += 1
+                keys = prompt_block_keys(attempt, self._info.tokens_per_block)
+                self._cluster.counters.migrations[worker] += 1
+                log.warning("request %s: decode worker %s failed after %d tokens (%s); migrating it (%d of at "
+                            "most %d)", request.request_id, worker, len(progress.token_ids), exc.reason,
+                            progress.num_migrations, self._migration.limit)
 
-    async def _dispatch(self, request: GenerationRequest, decision: RouteDecision) -> AsyncIterator[RequestOutput]:
-        """Relay the decode worker's stream, with the decision's load on its workers meanwhile."""
+    async def _dispatch(self, request: GenerationRequest, decision: RouteDecision,
+                        client_id: RequestId) -> AsyncIterator[RequestOutput]:
+        """Relay the decode worker's stream, with the decision's load on its workers meanwhile.
+        `client_id`: the id the client knows the request by (`request` may be a continuation)."""
         pool, tpb = self._pool, self._info.tokens_per_block
         decode = pool.handles[decision.decode.worker]
         prefill = pool.handles[decision.prefill.worker] if decision.prefill else None
@@ -86,7 +108,7 @@ class RoutedBackend:
         num_new_tokens = max(len(request.prompt_token_ids) - prefiller_leg.overlap.num_blocks * tpb, 0)
         decode_load = pool.dispatch(decode, num_new_tokens if prefill is None else 0, decision.num_prompt_blocks)
         prefill_load = pool.dispatch(prefill, num_new_tokens, decision.num_prompt_blocks) if prefill else None
-        self._live[request.request_id] = decision
+        self._live[client_id] = (request.request_id, decision)
         try:
             async with aclosing(decode.client.generate(request, prefill.address if prefill else None)) as outputs:
                 is_first = True
@@ -95,10 +117,10 @@ class RoutedBackend:
                         is_first = False
                         pool.prefill_done(decode, decode_load)
                         self._finish(prefill, prefill_load)
-                        self._note_prefill_path(request.request_id, decision, output.prefilled_by)
+                        self._note_prefill_path(client_id, decision, output.prefilled_by)
                     yield output
         finally:
-            self._live.pop(request.request_id, None)
+            self._live.pop(client_id, None)
             pool.finish(decode, decode_load)
             self._finish(prefill, prefill_load)
 
@@ -143,9 +165,10 @@ class RoutedBackend:
         return self._cluster.collector()
 
     async def abort(self, request_id: RequestId) -> None:
-        decision = self._live.get(request_id)
-        if decision is not None:
-            await self._pool.handles[decision.decode.worker].client.abort(request_id)
+        live = self._live.get(request_id)
+        if live is not None:
+            worker_request_id, decision = live
+            await self._pool.handles[decision.decode.worker].client.abort(worker_request_id)
 
     async def stats(self) -> EngineStats:
         """The sum over workers in rotation; WorkerUnavailableError, naming why each worker is out,

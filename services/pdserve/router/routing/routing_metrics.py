@@ -24,6 +24,7 @@ class RoutingCounters:
         self.overlap_blocks: Counter[tuple[str, str]] = Counter()
         self.resyncs: Counter[tuple[str, str]] = Counter()  # (worker, reason)
         self.retries: Counter[str] = Counter()  # worker that failed before the first output
+        self.migrations: Counter[str] = Counter()  # decode worker that failed mid-stream, its request continued
         self.num_decode_only_fallbacks = 0
         self.num_local_prefills_instead = 0  # a prefill worker was chosen; the decode worker prefilled itself
 
@@ -66,6 +67,9 @@ class RoutingCollector(Collector):
                        ["worker", "reason"], c.resyncs)
         yield _counter("pdserve_router_dispatch_retries",
                        "Requests sent to another worker after this one failed before answering", ["worker"], c.retries)
+        yield _counter("pdserve_router_migrations",
+                       "Requests continued on another decode worker after this one failed mid-stream",
+                       ["worker"], c.migrations)
         yield CounterMetricFamily("pdserve_router_decode_only_fallbacks",
                                   "Requests prefilled on their decode worker because no prefill worker was up",
                                   value=c.num_decode_only_fallbacks)

@@ -13,6 +13,7 @@ from pdserve.common.stats import EngineStats, WorkerRole
 from pdserve.router.routing.cluster import Cluster, ClusterConfig
 from pdserve.router.routing.cost import WorkerLoad
 from pdserve.rpc.kv_events_client import KvEventsUnsupported
+from pdserve.router.routing.migration import MigrationPolicy
 from pdserve.router.routing.planner import Planner, RoutingConfig
 from pdserve.router.routing.routed_backend import RoutedBackend, prompt_block_keys
 from pdserve.router.routing.worker_pool import PoolConfig
@@ -38,11 +39,13 @@ def request(rid: str = "r-0", salt: str | None = None) -> GenerationRequest:
     return GenerationRequest(RequestId(rid), PROMPT, SamplingParams(max_tokens=2), cache_salt=salt)
 
 
-async def routed(workers: dict[str, FakeWorker], policy: str = "round_robin") -> RoutedBackend:
+async def routed(workers: dict[str, FakeWorker], policy: str = "round_robin",
+                 migration: MigrationPolicy = MigrationPolicy()) -> RoutedBackend:
     config = ClusterConfig(tuple(workers), PoolConfig(poll_interval_s=3600.0, failure_threshold=3, wait_timeout_s=0))
     cluster = Cluster(config, workers.__getitem__, lambda address: NoEvents())
     model = await cluster.start()
-    return RoutedBackend(cluster, Planner(cluster.pool, cluster.index, RoutingConfig(policy=policy), TPB), model)
+    planner = Planner(cluster.pool, cluster.index, RoutingConfig(policy=policy), TPB)
+    return RoutedBackend(cluster, planner, model, migration=migration)
 
 
 async def texts(backend: RoutedBackend, req: GenerationRequest) -> list[str]:
@@ -100,12 +103,12 @@ def test_a_worker_lost_before_answering_is_dropped_and_the_request_routed_again(
     assert backend.describe_route(RequestId("r-0")) == "decode=b:2;decode_overlap=0;prompt_blocks=5"
 
 
-def test_a_stream_that_breaks_after_answering_fails_the_request() -> None:
+def test_a_stream_that_breaks_after_answering_fails_the_request_without_migration() -> None:
     workers = {a: FakeWorker(a, info()) for a in ("a:1", "b:2")}
     workers["a:1"].fail_generate_after = 1
 
     async def scenario() -> None:
-        backend = await routed(workers)
+        backend = await routed(workers, migration=MigrationPolicy(limit=0))
         outputs = []
         with pytest.raises(WorkerUnavailableError, match="stream broke"):
             async for out in backend.generate(request()):

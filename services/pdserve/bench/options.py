@@ -11,6 +11,7 @@ from pdserve.bench.arrivals import validate_arrivals
 from pdserve.bench.datasets import (
     DATASET_ALIASES, DATASET_NAMES, DatasetSpec, canonical_dataset_name, check_spec,
 )
+from pdserve.bench.plot import check_plotting
 from pdserve.bench.runner import ENDPOINTS
 from pdserve.bench.slo import Slo, parse_slo, parse_vllm_goodput
 from pdserve.common.errors import ConfigError
@@ -180,6 +181,8 @@ def _check_output_paths(json_path: str | None, plot_path: str | None) -> None:
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise ConfigError(flag, path, "its directory does not exist")
+    if plot_path is not None:
+        check_plotting(plot_path)
 
 
 def parse_config(argv: list[str]) -> BenchConfig:

@@ -1,8 +1,21 @@
-"""`--plot PATH.png`: latency distributions and throughput over time, one figure."""
+"""`--plot PATH.png`: latency distributions and throughput over time, one figure.
+
+matplotlib is the `bench` extra, not a dependency of the server: `check_plotting` tells a
+missing one before the run, in one line, rather than a traceback after it."""
 from pdserve.bench.metrics import RequestRecord, token_events
+from pdserve.common.errors import ConfigError
 
 NUM_HISTOGRAM_BINS = 30
 NUM_TIME_BUCKETS = 40
+
+
+def check_plotting(plot_path: str) -> None:
+    """Raise ConfigError naming `--plot` when matplotlib cannot be imported here."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("--plot", plot_path, f"needs matplotlib ({exc}); install it with "
+                          "pip install 'pdserve[bench]'") from None
 
 
 def throughput_series(

@@ -2,6 +2,7 @@
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from pdserve.common.errors import PdserveError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
@@ -32,3 +33,16 @@ class AsyncEngine(Protocol):
     def info(self) -> ModelInfo: ...
 
     async def check_integrity(self) -> KvIntegrity: ...
+
+
+def not_serving_reason(engine: AsyncEngine) -> str | None:
+    """None while `engine` takes new requests; else why not. Every health answer (the Worker
+    service's own Health RPC and the standard grpc.health.v1 service) reads this: an engine
+    that cannot give its figures (draining, wedged, failed) cannot take a request either."""
+    try:
+        engine.stats()
+    except PdserveError as exc:  # e.g. wedged or draining: the engine says why
+        return str(exc)
+    except Exception as exc:  # any failure of the engine means it cannot serve
+        return f"engine failed: {type(exc).__name__}: {exc}"
+    return None

@@ -9,7 +9,9 @@ the meaning is the same. A bad value raises ConfigError naming where it came fro
 `pdserve serve`'s settings (a router and its workers) are built from these in `serve/settings.py`.
 """
 import dataclasses
+import logging
 import os
+import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +23,13 @@ from pdserve.common.errors import ConfigError
 from pdserve.common.model_source import default_model_path
 from pdserve.common.stats import WorkerRole
 
+log = logging.getLogger(__name__)
+
 ENV_PREFIX = cv.ENV_PREFIX
+# Kubernetes puts `<SERVICE>_PORT=tcp://10.0.0.1:8000` into every pod for each Service of its
+# namespace (service links): a Service named `pdserve` sets PDSERVE_PORT, one named
+# `pdserve-metrics` PDSERVE_METRICS_PORT. No pdserve setting takes such a URL, so one is ignored.
+SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://[^\s/]+:\d+")
 REDACTED = "<redacted>"
 CONFIG_ENV = "PDSERVE_CONFIG"
 
@@ -133,6 +141,10 @@ class WorkerSettings:
                                          "id per launch)")
     metrics_port: int | None = opt(None, parse=cv.optional(cv.parse_int),
                                    help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    health_port: int | None = opt(None, parse=cv.optional(cv.parse_int),
+                                  help="serve only the standard gRPC health service (grpc.health.v1), in plain text, "
+                                       "on this port, for probes that cannot present a client certificate "
+                                       "(Kubernetes' grpc probes; 0: any free port)")
     kv_transfer_timeout_s: float = opt(30.0, parse=cv.parse_float, flag="kv-transfer-timeout",
                                        help="bound on one prompt's prefill + KV transfer (seconds)")
     disagg_min_prefill_tokens: int = opt(32, parse=cv.parse_int,
@@ -153,7 +165,9 @@ class WorkerSettings:
                         "kv_cache_memory", "max_kv_tokens", "num_threads", "drain_timeout_s")
         check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size,
                "must be a power of two")
-        check(0 <= self.port < 65536, "port", self.port, "must be in 0..65535")
+        for name in ("port", "metrics_port", "health_port"):
+            port = getattr(self, name)
+            check(port is None or 0 <= port < 65536, name, port, "must be in 0..65535")
         check(self.host_cache_size >= 0, "host_cache_size", self.host_cache_size, "must be >= 0")
         check(0 <= self.secondary_offload_min_priority <= 100, "secondary_offload_min_priority",
               self.secondary_offload_min_priority, "must be in 0..100")
@@ -307,7 +321,7 @@ def resolve_sources(prog: str, options: list[cv.Option], argv: Sequence[str] | N
         dest = o.flag.replace("-", "_")
         if dest in cli:
             raw, label = cli[dest], f"--{o.flag}"
-        elif o.env_var in env:
+        elif o.env_var in env and not is_service_link(o.env_var, env[o.env_var]):
             raw, label = env[o.env_var], o.env_var
         elif o.flag in in_file:
             raw, label = in_file[o.flag], f"{o.flag} (in {config_path})"
@@ -320,6 +334,15 @@ def resolve_sources(prog: str, options: list[cv.Option], argv: Sequence[str] | N
         values.update((t, value) for t in o.targets)
         labels.update((t, label) for t in o.targets)
     return values, labels
+
+
+def is_service_link(name: str, value: str) -> bool:
+    """Whether `name=value` is a Kubernetes service link rather than a setting (logged when so)."""
+    if SERVICE_LINK.fullmatch(value.strip()) is None:
+        return False
+    log.warning("ignoring %s=%r: a Kubernetes service link, not a pdserve setting (set enableServiceLinks: "
+                "false in the pod spec to keep it out)", name, value)
+    return True
 
 
 def build_section(cls: type[T], section: str, options: list[cv.Option], values: dict[Target, object],

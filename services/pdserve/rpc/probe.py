@@ -1,5 +1,7 @@
-"""A blocking health probe of a worker, for callers without an event loop (the launcher)."""
+"""Blocking health probes of a worker, for callers without an event loop (the launcher, health
+check commands)."""
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.common.ids import DeploymentId
 from pdserve.common.tls import TlsConfig
@@ -25,3 +27,16 @@ def is_worker_serving(address: str, timeout_s: float, deployment_id: DeploymentI
             return bool(stub.GetInfo(wpb.GetInfoRequest(), timeout=timeout_s).deployment_id == deployment_id)
         except grpc.RpcError:
             return False
+
+
+def is_health_serving(address: str, timeout_s: float, name: str = "") -> bool:
+    """True if the plain-text grpc.health.v1 service at `address` (a worker's `--health-port`)
+    answers SERVING for `name` ("": ready; "liveness") within `timeout_s`; False if it answers
+    otherwise or cannot be reached. What the compose health checks run."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=name),
+                                                             timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

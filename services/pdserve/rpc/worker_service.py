@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import grpc
 
-from pdserve.common.engine_api import AsyncEngine
+from pdserve.common.engine_api import AsyncEngine, not_serving_reason
 from pdserve.common.errors import (
     DuplicateRequestError,
     EngineWedgedError,
@@ -83,12 +83,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Health(
         self, request: wpb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> wpb.HealthResponse:
-        try:
-            self._engine.stats()
-        except PdserveError as exc:  # e.g. wedged: the engine says why it cannot serve
-            return wpb.HealthResponse(status=wpb.SERVING_STATUS_NOT_SERVING, reason=str(exc))
-        except Exception as exc:  # any failure of the engine means it cannot serve
-            reason = f"engine failed: {type(exc).__name__}: {exc}"
+        reason = not_serving_reason(self._engine)
+        if reason is not None:
             return wpb.HealthResponse(status=wpb.SERVING_STATUS_NOT_SERVING, reason=reason)
         return wpb.HealthResponse(status=wpb.SERVING_STATUS_SERVING)
 

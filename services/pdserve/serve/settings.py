@@ -152,7 +152,8 @@ def new_deployment_id() -> str:
 def _serve_options() -> list[cv.Option]:
     options = cv.merged(
         cv.options_of(RouterSettings, "router", skip=("workers", "tls_dir"))
-        + cv.options_of(WorkerSettings, "worker", rename=_WORKER_FLAGS, skip=("role", "worker_id", "tls_dir"))
+        + cv.options_of(WorkerSettings, "worker", rename=_WORKER_FLAGS,
+                        skip=("role", "worker_id", "tls_dir", "health_port"))  # serve is probed over HTTP
         + cv.options_of(ServeTopology, "topology")
         + cv.options_of(ServeSettings, "serve")
     )

@@ -1,6 +1,7 @@
 """`pdserve worker`: resolve the settings, build the engine, serve it over gRPC until
-SIGINT or SIGTERM, then drain (new requests refused saying why, running ones finish within
-`--drain-timeout` seconds, `server.py`) and exit 0.
+SIGINT or SIGTERM, then drain (new requests refused saying why, grpc.health.v1 NOT_SERVING,
+running ones finish within `--drain-timeout` seconds, `server.py`) and exit 0. `--health-port`
+serves grpc.health.v1 alone in plain text, for probes without a client certificate.
 
 Internal gRPC is mutual TLS from `--tls-dir` (the worker's id is the identity in its
 certificate), or plain text with `--insecure-internal`, said loudly at start.
@@ -106,7 +107,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
                  settings.deployment_id or "none", settings.host, settings.port)
         await serve_until_stopped(served, settings.host, settings.port, stop, settings.drain_timeout_s,
                                   services, DeploymentId(settings.deployment_id) if settings.deployment_id else None,
-                                  tls)
+                                  tls, settings.health_port)
     finally:
         background.cancel()
         watching.cancel()
@@ -134,7 +135,8 @@ async def spill_host_tier(engine: ThreadedEngine, timeout_s: float) -> None:
 
 def check_ports(settings: WorkerSettings) -> None:
     """A port in use is an error now, not after the model has loaded (minutes for a large one)."""
-    for flag, port in (("--port", settings.port), ("--metrics-port", settings.metrics_port)):
+    for flag, port in (("--port", settings.port), ("--metrics-port", settings.metrics_port),
+                       ("--health-port", settings.health_port)):
         if port:
             check_port_free(flag, settings.host, port)
 

@@ -1,4 +1,8 @@
-"""The worker's gRPC server: listen on a port, serve one engine, drain on shutdown."""
+"""The worker's gRPC server: listen on a port, serve one engine, drain on shutdown.
+
+Besides the Worker service (and the role's), the server answers the standard grpc.health.v1
+service (`rpc/health_service.py`), and with a health port that service alone in plain text:
+readiness follows the engine (polled every HEALTH_POLL_S, and at once when the drain starts)."""
 import asyncio
 import logging
 import time
@@ -6,15 +10,18 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from pdserve.common.engine_api import AsyncEngine
+from pdserve.common.engine_api import AsyncEngine, not_serving_reason
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
 from pdserve.common.tls import TlsConfig
+from pdserve.rpc.health_service import HealthService, PlainHealthServer
 from pdserve.rpc.tls import add_port
 from pdserve.rpc.worker_service import add_worker_service
 from pdserve.worker.drain import DrainGate
 
 log = logging.getLogger(__name__)
+
+HEALTH_POLL_S = 0.5  # how soon a wedged or recovered engine shows in grpc.health.v1
 
 # Keepalive pings find a router that vanished without closing its connection; the call's
 # cancellation then aborts its requests. The router's client pings no more often than this.
@@ -71,27 +78,46 @@ class WorkerServer:
 async def serve_until_stopped(
     engine: AsyncEngine, host: str, port: int, stop: asyncio.Event, grace_s: float,
     services: Sequence[Callable[[grpc.aio.Server], None]] = (), deployment_id: DeploymentId | None = None,
-    tls: TlsConfig | None = None,
+    tls: TlsConfig | None = None, health_port: int | None = None,
 ) -> None:
     """Serve `engine` until `stop` is set, then drain for at most `grace_s` seconds: new
     requests are refused at once (`DrainGate`) while the server still answers, so health says
-    why and the running streams finish; then the server stops, cancelling what still runs."""
+    why and the running streams finish; then the server stops, cancelling what still runs.
+    `health_port` (0: any free port): grpc.health.v1 alone in plain text there too."""
     gate = DrainGate(engine)
-    server = WorkerServer(gate, host, port, services, deployment_id, tls)
+    health = HealthService()
+    await health.report(not_serving_reason(gate) is None)
+    server = WorkerServer(gate, host, port, [*services, health.add_to], deployment_id, tls)
+    plain = PlainHealthServer(health, host, health_port) if health_port is not None else None
     await server.start()
+    if plain is not None:
+        log.info("grpc.health.v1 in plain text on %s:%d", host, await plain.start())
+    reporting = asyncio.create_task(report_health(gate, health))
     remaining_s = grace_s
     try:
         await stop.wait()
-        remaining_s = await drain(gate, grace_s)
+        remaining_s = await drain(gate, grace_s, health)
     finally:  # calls outside the gate (a prefill worker's orders) get what is left of the grace
+        reporting.cancel()
         await server.stop(remaining_s)
+        if plain is not None:
+            await plain.stop()
 
 
-async def drain(gate: DrainGate, grace_s: float) -> float:
-    """Close `gate` and wait for its running requests, up to `grace_s`; the seconds left."""
+async def report_health(engine: AsyncEngine, health: HealthService) -> None:
+    """Keep `health`'s readiness on what `engine` answers, until cancelled."""
+    while True:
+        await health.report(not_serving_reason(engine) is None)
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
+async def drain(gate: DrainGate, grace_s: float, health: HealthService) -> float:
+    """Close `gate` and wait for its running requests, up to `grace_s`; the seconds left.
+    `health` answers NOT_SERVING from the moment the gate closes."""
     deadline = time.monotonic() + grace_s
     gate.close(f"draining: shutting down, finishing running requests within {grace_s:g} s; "
                "new requests go to another worker")
+    await health.report(False)
     log.info("draining: %d requests running, waiting up to %g s", gate.num_running, grace_s)
     if not await gate.wait_idle(grace_s):
         log.warning("drain timeout: cancelling %d requests still running", gate.num_running)

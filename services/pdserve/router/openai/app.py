@@ -41,6 +41,7 @@ from pdserve.router.openai.prompts import PromptTokenizer
 from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.openai.responses import ModelCard, ModelList
 from pdserve.router.openai.serving import ApiLimits, ClientGone, ServingContext, new_response_id
+from pdserve.router.openai.structured.tools import ToolCallConfig
 
 STATS_TIMEOUT_S = 5.0
 MAX_REQUEST_ID_CHARS = 256
@@ -61,12 +62,14 @@ def create_app(
     routing: Routing | None = None,
     api_keys: ApiKeys | None = None,
     protect_metrics: bool = False,
+    tool_calls: ToolCallConfig = ToolCallConfig(),
 ) -> FastAPI:
     """An app serving `info`'s model (under `model_name` if given); it closes `backend` on shutdown.
     `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself).
-    `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too."""
+    `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too.
+    `tool_calls`: whether `tool_choice: "auto"` is served, and how tool calls are read back."""
     ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics(),
-                         LogprobFormatter(tokenizer))
+                         LogprobFormatter(tokenizer), tool_calls=tool_calls)
     if routing is not None:
         ctx.metrics.registry.register(routing.metrics_collector())
 

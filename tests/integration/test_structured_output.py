@@ -181,3 +181,50 @@ def test_a_bad_guide_or_tool_choice_is_a_400_envelope(serve: Serve, extra: dict,
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["type"], error["param"], error["code"]) == ("BadRequestError", param, 400)
+
+
+@pytest.fixture(scope="module")
+def aggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """One role=both worker, with tool_choice "auto" read by the Hermes parser."""
+    directory = tmp_path_factory.mktemp("structured-aggregated")
+    checkpoint = make_tiny_checkpoint(directory / "tiny")
+    port = free_port()
+    process, _ = start_serve(directory, [
+        "--model", str(checkpoint), "--served-model-name", "tiny", "--port", str(port), "--device", "cpu",
+        "--dtype", "float32", "--max-model-len", "512", "--max-kv-tokens", "16384", "--cache-dir", "",
+        "--startup-timeout", "150", "--aggregated", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                           timeout=120.0) as c:
+            yield c
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def test_aggregated_json_schema_generations_validate(aggregated: openai.OpenAI) -> None:
+    for seed in range(20):
+        out = aggregated.completions.create(model="tiny", prompt=f"Person {seed}:", max_tokens=MAX_TOKENS,
+                                            temperature=1.0, seed=seed, extra_body={"guided_json": PERSON})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].text), PERSON)
+
+
+def test_auto_tool_choice_reads_a_hermes_call_whole_and_streamed(aggregated: openai.OpenAI) -> None:
+    """The model is guided to write a Hermes call after some content; "auto" reads it back."""
+    pattern = r'[A-Za-z]{1,5} <tool_call>\{"name": "get_time", "arguments": \{"zone": "[a-z]{1,4}"\}\}</tool_call>'
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=MAX_TOKENS,
+                  temperature=0.0, extra_body={"guided_regex": pattern})
+    whole = aggregated.chat.completions.create(**kwargs).choices[0]
+    (call,) = whole.message.tool_calls
+    assert (call.function.name, whole.finish_reason) == ("get_time", "tool_calls")
+    assert re.fullmatch(r"[A-Za-z]{1,5} ", whole.message.content)
+    jsonschema.validate(json.loads(call.function.arguments), TIME)
+    content, arguments, names = "", "", []
+    for chunk in aggregated.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                names += [delta.function.name] if delta.function.name else []
+                arguments += delta.function.arguments or ""
+    assert (content, names, arguments) == (whole.message.content, ["get_time"], call.function.arguments)

@@ -89,3 +89,12 @@ def test_unguided_rows_in_a_guided_batch_keep_their_argmax(compiler):
 def test_a_guide_that_does_not_compile_is_an_invalid_request(compiler, guide):
     with pytest.raises(InvalidRequestError):
         compiler.matcher(guide)
+
+
+def test_a_vanishing_top_p_still_keeps_the_guide_s_only_token(compiler, smollm_tokenizer):
+    """top_p=5e-324 is 0 in float32; the nucleus must still hold the best (here: the only
+    allowed) token, EOS after a guide that is complete at once."""
+    guide = compiler.matcher(Guide(GuideKind.LARK, 'start: ""'))
+    logits = torch.randn(1, smollm_tokenizer.vocab_size)
+    (token,) = Sampler(seed=0).sample(logits, [SamplingRow(SamplingParams(top_p=5e-324), None, guide)])
+    assert token.token_id in smollm_tokenizer.eos_token_ids

@@ -153,6 +153,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     # top_p == 1 filters nothing, not even tokens after float cumsum rounding reaches 1.
     p = torch.tensor([pp if pp < 1.0 else math.inf for pp in top_p], device=device)  # (S,)
     remove |= mass_before >= p[:, None]
+    remove[:, 0] = False  # even a top_p that rounds to 0 in float32 (5e-324) keeps the best token
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

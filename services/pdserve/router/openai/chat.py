@@ -27,6 +27,7 @@ from pdserve.router.openai.responses import (
     ChatMessageOut,
     ChatStreamChoice,
     ChatTokenLogprob,
+    ToolCallDelta,
 )
 from pdserve.router.openai.sampling import check_chat_supported
 from pdserve.router.openai.serving import (
@@ -84,7 +85,7 @@ class _Chat:
             choice.logprobs += entries
             logprobs = ChatLogprobs(content=entries)
         return ChatStreamChoice(
-            index=output.index, delta=ChatDelta(content=content, tool_calls=tool_calls or None), logprobs=logprobs,
+            index=output.index, delta=_delta(content, tool_calls), logprobs=logprobs,
             finish_reason=finish_reason,
         )
 
@@ -104,6 +105,12 @@ class _Chat:
 
     def chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, model=self.ctx.model_name, choices=choices)
+
+
+def _delta(content: str, tool_calls: list[ToolCallDelta]) -> ChatDelta:
+    if tool_calls:
+        return ChatDelta(content=content or None, tool_calls=tool_calls)  # OpenAI's call chunks carry no ""
+    return ChatDelta(content=content)
 
 
 async def create_chat_completion(request: Request, ctx: ServingContext, response_id: str) -> Response:

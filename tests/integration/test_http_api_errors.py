@@ -109,7 +109,7 @@ def test_bad_completion_bodies(http: httpx.Client, body: str, expected: dict[str
     ('{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', bad(
         "'top_logprobs' requires 'logprobs' to be true", "top_logprobs")),
     ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', bad(
-        "'tools' are not supported by this server", "tools")),
+        "missing required field 'tools[0].function'", "tools[0].function")),
 ])
 def test_bad_chat_bodies(http: httpx.Client, body: str, expected: dict[str, object]) -> None:
     response = post(http, "/v1/chat/completions", body)

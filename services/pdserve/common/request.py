@@ -3,6 +3,7 @@
 The router builds a `GenerationRequest` from an HTTP body; the worker's engine streams
 `RequestOutput` deltas back. `rpc/` converts both to and from protobuf.
 """
+import enum
 from dataclasses import dataclass, field
 
 from pdserve.common.ids import RequestId
@@ -29,6 +30,23 @@ class MultimodalSpan:
     length: int
 
 
+class GuideKind(enum.Enum):
+    """The language a guide's text is written in (llguidance compiles each)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema, as JSON text
+    REGEX = "regex"
+    LARK = "lark"  # llguidance's Lark dialect (choices and tool calls are written in it)
+
+
+@dataclass(slots=True, frozen=True)
+class Guide:
+    """Structured output: every generated token must keep the text a prefix of the guide's
+    language, and the sequence stops (finish_reason "stop") once the guide is complete."""
+
+    kind: GuideKind
+    text: str
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -42,6 +60,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # top-N logprobs per generated token
     include_stop_str_in_output: bool = False
+    guide: Guide | None = None  # structured output (JSON schema, regex, choice, tool calls)
 
     @property
     def is_greedy(self) -> bool:

@@ -39,6 +39,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTING_POLICIES = ("kv_aware", "round_robin", "least_loaded", "random")
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")  # router/openai/tool_parsers.py reads each
 
 
 def default_cache_dir() -> str:
@@ -255,6 +256,13 @@ class RouterSettings:
                                     help="file of '<key> <tenant>' lines; each tenant has a KV cache of its own")
     protect_metrics: bool = opt(False, parse=cv.parse_bool,
                                 help="/metrics too requires an API key (/health* stays open)")
+    # ---- tool calling (see router/openai/tools.py) ----
+    enable_auto_tool_choice: bool = opt(False, parse=cv.parse_bool,
+                                        help='serve tool_choice "auto": the model decides, its output is read with '
+                                             "--tool-call-parser")
+    tool_call_parser: str | None = opt(None, parse=cv.optional(cv.choice(*TOOL_CALL_PARSER_NAMES)),
+                                       help="how tool calls are read from the output: "
+                                            + " | ".join(TOOL_CALL_PARSER_NAMES))
     # ---- routing across workers (see router/cost.py and router/policy.py) ----
     routing_policy: str = opt("kv_aware", parse=cv.choice(*ROUTING_POLICIES),
                               help=" | ".join(ROUTING_POLICIES) + "; the others exist for comparison")
@@ -292,6 +300,8 @@ class RouterSettings:
             check(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
         check(not self.protect_metrics or self.has_api_keys, "protect_metrics", self.protect_metrics,
               "needs --api-key or --api-keys-file")
+        check(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "enable_auto_tool_choice",
+              self.enable_auto_tool_choice, "needs --tool-call-parser")
 
     @property
     def has_api_keys(self) -> bool:

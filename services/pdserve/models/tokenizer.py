@@ -69,6 +69,10 @@ class Tokenizer:
             raise InvalidRequestError("this model has no chat template; use the completions API", param="messages")
         return self._chat.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizers` JSON (a grammar library builds its token trie from it)."""
+        return self._backend.to_str()
+
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._backend.id_to_token(token_id)
 

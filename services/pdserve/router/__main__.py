@@ -33,6 +33,7 @@ from pdserve.router.routing.planner import Planner, RoutingConfig
 from pdserve.router.routing.routed_backend import RoutedBackend
 from pdserve.router.openai.sampling import checked_defaults
 from pdserve.router.openai.serving import ApiLimits
+from pdserve.router.openai.structured.tools import ToolCallConfig
 from pdserve.router.routing.worker_pool import PoolConfig
 
 _log = logging.getLogger("pdserve.router")
@@ -87,7 +88,8 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
                        max_pending_requests=settings.max_pending_requests,
                        keepalive_interval_s=settings.sse_keepalive_interval_s or None)
     app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend,
-                     api_keys=api_keys, protect_metrics=settings.protect_metrics, sampling_defaults=sampling_defaults)
+                     api_keys=api_keys, protect_metrics=settings.protect_metrics, sampling_defaults=sampling_defaults,
+                     tool_calls=ToolCallConfig(settings.enable_auto_tool_choice, settings.tool_call_parser))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     _log.info("serving %s from %d worker(s), %s routing, on http://%s:%d",

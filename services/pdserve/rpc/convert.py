@@ -14,6 +14,8 @@ from pdserve.common.errors import InvalidRequestError, WorkerError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import (
     GenerationRequest,
+    Guide,
+    GuideKind,
     MultimodalSpan,
     PriorityRange,
     RequestOutput,
@@ -32,6 +34,13 @@ _FINISH_TO_PROTO = {
     "error": rpb.FINISH_REASON_ERROR,
 }
 _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+_GUIDE_TO_PROTO = {
+    GuideKind.JSON_SCHEMA: rpb.GUIDE_KIND_JSON_SCHEMA,
+    GuideKind.REGEX: rpb.GUIDE_KIND_REGEX,
+    GuideKind.LARK: rpb.GUIDE_KIND_LARK,
+}
+_GUIDE_FROM_PROTO = {v: k for k, v in _GUIDE_TO_PROTO.items()}
 
 _ROLE_TO_PROTO = {
     WorkerRole.BOTH: wpb.WORKER_ROLE_BOTH,
@@ -68,7 +77,22 @@ def sampling_to_proto(params: SamplingParams) -> rpb.SamplingParams:
         top_k=params.top_k, seed=params.seed, stop=params.stop,
         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, n=params.n,
         logprobs=params.logprobs, include_stop_str_in_output=params.include_stop_str_in_output,
+        **_guide_to_proto(params.guide),
     )
+
+
+def _guide_to_proto(guide: Guide | None) -> dict[str, object]:
+    if guide is None:
+        return {}
+    return {"guide_kind": _GUIDE_TO_PROTO[guide.kind], "guide": guide.text}
+
+
+def _guide_from_proto(msg: rpb.SamplingParams) -> Guide | None:
+    if msg.guide_kind == rpb.GUIDE_KIND_UNSPECIFIED:
+        return None
+    if msg.guide_kind not in _GUIDE_FROM_PROTO:
+        raise InvalidRequestError(f"guide kind {msg.guide_kind} is unknown to this worker", "guide")
+    return Guide(_GUIDE_FROM_PROTO[msg.guide_kind], msg.guide)
 
 
 def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
@@ -77,7 +101,7 @@ def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, n=msg.n,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        include_stop_str_in_output=msg.include_stop_str_in_output,
+        include_stop_str_in_output=msg.include_stop_str_in_output, guide=_guide_from_proto(msg),
     )
 
 

@@ -7,6 +7,8 @@ from pdserve.common.errors import InvalidRequestError, WorkerError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import (
     GenerationRequest,
+    Guide,
+    GuideKind,
     MultimodalSpan,
     PriorityRange,
     RequestOutput,
@@ -26,6 +28,7 @@ sampling = st.builds(
     seed=st.none() | st.integers(-(2**63), 2**63 - 1), stop=st.lists(text, max_size=3).map(tuple),
     stop_token_ids=st.lists(u32, max_size=3).map(tuple), ignore_eos=st.booleans(), n=u32,
     logprobs=st.none() | u32, include_stop_str_in_output=st.booleans(),
+    guide=st.none() | st.builds(Guide, st.sampled_from(GuideKind), text),
 )
 requests = st.builds(
     GenerationRequest,

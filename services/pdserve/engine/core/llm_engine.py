@@ -21,6 +21,7 @@ from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, Ou
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
+from pdserve.engine.model.guided import GuideCompiler, GuideMatcher
 from pdserve.engine.model.host_store import TierStore
 from pdserve.engine.model.sampler import Sampler, SamplingRow, check_sampling_params, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -52,6 +53,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._clock = clock
         self.handoffs = Handoffs(kv, lambda: self._clock())  # sequences waiting on a KV transfer, with leases
+        self._guides: GuideCompiler | None = None  # built from the tokenizer on the first guided request
 
     @property
     def has_work(self) -> bool:
@@ -245,8 +247,18 @@ class LLMEngine:
             seq_id, request, index, token_ids,
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
             StopChecker(sampling.stop, sampling.include_stop_str_in_output),
-            next(self._arrivals), generator,
+            next(self._arrivals), generator, self._guide_matcher(request),
         )
+
+    def _guide_matcher(self, request: GenerationRequest) -> GuideMatcher | None:
+        """A fresh grammar state for one of `request`'s sequences; InvalidRequestError for a
+        guide that does not compile (raised before the request is admitted)."""
+        guide = request.sampling.guide
+        if guide is None:
+            return None
+        if self._guides is None:
+            self._guides = GuideCompiler(self.tokenizer.to_json(), self.vocab_size, self.tokenizer.eos_token_ids)
+        return self._guides.matcher(guide)
 
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         seq = chunk.seq
@@ -282,7 +294,7 @@ class LLMEngine:
         if not rows:
             return []
         logits = torch.stack([r for _, r in rows])  # (B, vocab)
-        sampled = self.sampler.sample(logits, [SamplingRow(s.request.sampling, s.generator) for s, _ in rows])
+        sampled = self.sampler.sample(logits, [SamplingRow(s.request.sampling, s.generator, s.guide) for s, _ in rows])
         outputs = []
         for (seq, _), token in zip(rows, sampled):
             outputs.append(self._advance(seq, token.token_id, token.logprob))
@@ -293,6 +305,11 @@ class LLMEngine:
         self.kv.append_tokens(seq.seq_id, [token_id])
         piece = seq.stops.feed(seq.detokenizer.add([token_id]))
         reason = "stop" if piece.stopped else finish_reason_after(seq, token_id, self.eos_token_ids, self.config.max_model_len)
+        guide_error = self._advance_guide(seq, token_id)
+        if guide_error is not None:
+            reason = "error"
+        elif reason is None and seq.guide is not None and seq.guide.is_finished:
+            reason = "stop"  # the guided output is complete
         if seq.prefill_only and reason is None:
             reason = "length"
         text = piece.text
@@ -300,7 +317,18 @@ class LLMEngine:
             text += seq.stops.feed(seq.detokenizer.flush()).text + seq.stops.flush()
         if reason is not None:
             self._finish(seq)
-        return self._output(seq, (token_id,), text, reason, (logprob,) if logprob is not None else ())
+        output = self._output(seq, (token_id,), text, reason, (logprob,) if logprob is not None else ())
+        return output if guide_error is None else replace(output, error=guide_error)
+
+    @staticmethod
+    def _advance_guide(seq: Sequence, token_id: int) -> str | None:
+        """Move a guided sequence's grammar past `token_id` (whoever sampled it: this engine,
+        or a prefill worker for the first token); why the token broke the guide, if it did."""
+        if seq.guide is None:
+            return None
+        seq.guide.accept(token_id)
+        error = seq.guide.error
+        return None if error is None else f"token {token_id} is outside the output's guide: {error}"
 
     def _finish(self, seq: Sequence) -> None:
         if seq.prefill_only:

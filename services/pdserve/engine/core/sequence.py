@@ -31,6 +31,7 @@ class Sequence:
     stops: StopChecker
     arrival: int  # admission order; the latest arrival is preempted first
     generator: object | None = None  # torch.Generator for a seeded request
+    guide: object | None = None  # GuideMatcher over the output tokens, when the output is guided
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

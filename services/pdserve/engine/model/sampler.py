@@ -10,6 +10,10 @@ generator.
 
 Logprobs, when asked for, are of the model's own distribution (log_softmax of the raw
 logits, before temperature and filters), as vLLM and OpenAI report them.
+
+A guided row (structured output) first has every token its grammar forbids set to -inf,
+all guided rows in one bitmask (`guided.py`); choice and sampling then see only what the
+grammar allows.
 """
 import hashlib
 import math
@@ -20,6 +24,7 @@ import torch
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.request import SamplingParams, TokenLogprob
+from pdserve.engine.model.guided import GuideMasks, GuideMatcher
 
 MAX_LOGPROBS = 20  # top-N per token, as the router's API (and vLLM's default); more grows each output by the vocab
 
@@ -30,6 +35,7 @@ class SamplingRow:
 
     params: SamplingParams
     generator: torch.Generator | None = None  # from make_generator(seed, index); None: shared
+    guide: GuideMatcher | None = None  # the sequence's grammar state, when its output is guided
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,7 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        self._masks: GuideMasks | None = None  # made on the first guided row
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """One token per row of `logits` (B, vocab). Raises InvalidRequestError for bad params
@@ -64,14 +71,24 @@ class Sampler:
         for row in rows:
             check_sampling_params(row.params)
         logits = logits.float()
-        token_ids = logits.argmax(dim=-1)  # (B,)
+        scores = self._guided(logits, rows)  # (B, vocab)
+        token_ids = scores.argmax(dim=-1)  # (B,)
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
-            token_ids[index] = self._sample_rows(logits[index], [rows[i] for i in sampled])
+            token_ids[index] = self._sample_rows(scores[index], [rows[i] for i in sampled])
         chosen = token_ids.tolist()
         logprobs = _logprobs(logits, chosen, [row.params.logprobs for row in rows])
         return [SampledToken(t, lp) for t, lp in zip(chosen, logprobs)]
+
+    def _guided(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """`logits` with the guided rows masked by their grammars (a copy; `logits` unchanged)."""
+        guides = [row.guide for row in rows]
+        if all(guide is None for guide in guides):
+            return logits
+        if self._masks is None:
+            self._masks = GuideMasks()
+        return self._masks.apply(logits, guides)
 
     def skip(self, row: SamplingRow, vocab: int) -> None:
         """Advance a seeded row's stream past the draws of one sampled step, choosing nothing.
@@ -136,6 +153,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     # top_p == 1 filters nothing, not even tokens after float cumsum rounding reaches 1.
     p = torch.tensor([pp if pp < 1.0 else math.inf for pp in top_p], device=device)  # (S,)
     remove |= mass_before >= p[:, None]
+    remove[:, 0] = False  # even a top_p that rounds to 0 in float32 (5e-324) keeps the best token
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -42,6 +42,7 @@ from pdserve.router.openai.prompts import PromptTokenizer
 from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.openai.responses import ModelCard, ModelList
 from pdserve.router.openai.serving import ApiLimits, ClientGone, ServingContext, new_response_id
+from pdserve.router.openai.structured.tools import ToolCallConfig
 
 STATS_TIMEOUT_S = 5.0
 MAX_REQUEST_ID_CHARS = 256
@@ -63,13 +64,16 @@ def create_app(
     api_keys: ApiKeys | None = None,
     protect_metrics: bool = False,
     sampling_defaults: Mapping[str, float | int] | None = None,
+    tool_calls: ToolCallConfig = ToolCallConfig(),
 ) -> FastAPI:
     """An app serving `info`'s model (under `model_name` if given); it closes `backend` on shutdown.
     `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself).
     `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too.
-    `sampling_defaults`: the model's, for fields a request leaves unset (`sampling.checked_defaults`)."""
+    `sampling_defaults`: the model's, for fields a request leaves unset (`sampling.checked_defaults`).
+    `tool_calls`: whether `tool_choice: "auto"` is served, and how tool calls are read back."""
     ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics(),
-                         LogprobFormatter(tokenizer), sampling_defaults=MappingProxyType(dict(sampling_defaults or {})))
+                         LogprobFormatter(tokenizer), tool_calls=tool_calls,
+                         sampling_defaults=MappingProxyType(dict(sampling_defaults or {})))
     if routing is not None:
         ctx.metrics.registry.register(routing.metrics_collector())
 

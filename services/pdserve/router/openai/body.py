@@ -23,8 +23,16 @@ _MODELS: tuple[type[BaseModel], ...] = (
     protocol.StreamOptions,
     protocol.PriorityRangeBody,
     protocol.ResponseFormat,
+    protocol.JsonSchemaFormat,
+    protocol.StructuredOutputs,
+    protocol.ToolBody,
+    protocol.FunctionBody,
+    protocol.NamedToolChoice,
+    protocol.NamedFunction,
+    protocol.ToolCallBody,
+    protocol.FunctionCallBody,
 )
-_FIELD_NAMES = frozenset(name for model in _MODELS for name in model.model_fields)
+_FIELD_NAMES = frozenset(field.alias or name for model in _MODELS for name, field in model.model_fields.items())
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.router.openai.body import parse_body, read_body
+from pdserve.router.openai.structured.guided import guide_of
 from pdserve.router.openai.logprobs import LogprobFormatter
 from pdserve.router.openai.metrics import RequestTimer
 from pdserve.router.openai.prompts import completion_prompts
@@ -92,7 +93,7 @@ async def create_completion(request: Request, ctx: ServingContext, response_id: 
     info = ctx.info
     prompts = completion_prompts(body, ctx.tokenizer, info.vocab_size, info.max_model_len)
     max_tokens = MaxTokens(body.max_tokens, ctx.default_max_tokens(DEFAULT_COMPLETION_MAX_TOKENS), "max_tokens")
-    requests = generation_requests(ctx, body, prompts, response_id, max_tokens, body.logprobs)
+    requests = generation_requests(ctx, body, prompts, response_id, max_tokens, body.logprobs, guide_of(body))
     state = _Completion(
         ctx, body, response_id, UsageCounter(prompts), RequestTimer(ctx.metrics), ctx.logprobs
     )

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from pdserve.router.openai.errors import bad_request
 from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.openai.sampling import check_token_ids
+from pdserve.router.openai.structured.tools import template_messages
 
 
 class PromptTokenizer(Protocol):
@@ -21,7 +22,7 @@ class PromptTokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...
 
 
@@ -58,15 +59,15 @@ def completion_prompts(
     return prompts
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int) -> Prompt:
-    """The rendered chat's token ids. A template that rejects the chat raises a 400 on `messages`."""
-    messages: list[dict[str, Any]] = []
-    for message in body.messages:
-        rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
-        if message.name is not None:
-            rendered["name"] = message.name
-        messages.append(rendered)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+def chat_prompt(
+    body: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,
+    tools: list[dict[str, Any]] | None = None,
+) -> Prompt:
+    """The rendered chat's token ids (`tools` shown to the template as its `tools`). A template
+    that rejects the chat raises a 400 on `messages`."""
+    messages = template_messages(body.messages)
+    extra = {} if tools is None else {"tools": tools}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **extra)
     return checked_prompt(tokenizer.encode(text, add_special_tokens=False), "messages", max_model_len)
 
 

@@ -7,6 +7,8 @@ Field names follow OpenAI and vLLM's extensions. pdserve's own extensions: `cach
 (tenant isolation of cached blocks), `priority` (retention priority of the prompt's blocks:
 one value for the whole prompt, or token ranges with a priority and an optional duration) and
 `lora_id` (reserved). Range checks that need the prompt or the model live in `sampling.py`.
+Structured output takes OpenAI's `response_format` and vLLM's `guided_*` fields and
+`structured_outputs` (checked and turned into one guide in `guided.py`).
 """
 from typing import Annotated, Any, Literal
 
@@ -72,6 +74,29 @@ class PriorityRangeBody(StrictModel):
 
 StopBody = str | list[str]
 PriorityBody = Priority | list[PriorityRangeBody]
+JsonSchemaBody = dict[str, object] | bool
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: JsonSchemaBody | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` (its newer spelling of the `guided_*` fields)."""
+
+    json_: JsonSchemaBody | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingBody(StrictModel):
@@ -100,6 +125,12 @@ class SamplingBody(StrictModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     priority: PriorityBody | None = None
     lora_id: int | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: JsonSchemaBody | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None  # llguidance's Lark
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingBody):
@@ -117,10 +148,23 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCallBody(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallBody(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
     def text(self) -> str:
         """The message's text; a list of parts is concatenated."""
@@ -129,8 +173,28 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(StrictModel):
-    type: Literal["text", "json_object", "json_schema"]
+class FunctionBody(StrictModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, object] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolBody(StrictModel):
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoiceBody = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingBody):
@@ -140,6 +204,6 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, object]] | None = None
-    tool_choice: str | dict[str, object] | None = None
+    tools: list[ToolBody] | None = Field(None, max_length=128)
+    tool_choice: ToolChoiceBody | None = None
+    parallel_tool_calls: bool = True

@@ -2,7 +2,7 @@
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 def now_s() -> int:
@@ -59,9 +59,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -80,9 +92,37 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class _WithoutNulls(BaseModel):
+    """Serialised without its unset (None) fields, as OpenAI's stream deltas are."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class FunctionDelta(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_WithoutNulls):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unused_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatStreamChoice(BaseModel):

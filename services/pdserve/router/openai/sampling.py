@@ -10,7 +10,7 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.request import PriorityRange, SamplingParams
+from pdserve.common.request import Guide, PriorityRange, SamplingParams
 from pdserve.router.openai.errors import bad_request
 from pdserve.router.openai.protocol import (
     MAX_PRIORITY_RANGES,
@@ -81,12 +81,6 @@ def check_completion_supported(body: CompletionRequest) -> None:
 
 def check_chat_supported(body: ChatCompletionRequest) -> None:
     check_supported(body)
-    if body.tools:
-        raise bad_request("'tools' are not supported by this server", "tools")
-    if body.tool_choice not in (None, "none"):
-        raise bad_request("'tool_choice' is not supported by this server", "tool_choice")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request("only response_format type 'text' is supported", "response_format.type")
     if body.top_logprobs and not body.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
 
@@ -131,7 +125,7 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    body: SamplingBody, max_tokens: int, logprobs: int | None, vocab_size: int
+    body: SamplingBody, max_tokens: int, logprobs: int | None, vocab_size: int, guide: Guide | None = None
 ) -> SamplingParams:
     """`SamplingParams` for a body already passed through `check_supported`."""
     stop_token_ids = list(body.stop_token_ids or [])
@@ -148,6 +142,7 @@ def sampling_params(
         n=body.n,
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        guide=guide,
     )
 
 

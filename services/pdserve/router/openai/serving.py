@@ -8,7 +8,7 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from pdserve.common.ids import RequestId
-from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.common.request import GenerationRequest, Guide, RequestOutput
 from pdserve.common.stats import ModelInfo
 from pdserve.router.backend import GenerateBackend
 from pdserve.router.openai.errors import ApiError, bad_request
@@ -18,6 +18,7 @@ from pdserve.router.openai.prompts import Prompt, PromptTokenizer
 from pdserve.router.openai.protocol import SamplingBody
 from pdserve.router.openai.responses import PromptTokensDetails, Usage
 from pdserve.router.openai.runner import StreamTimeouts, run_streams
+from pdserve.router.openai.structured.tools import ToolCallConfig
 from pdserve.router.openai.sampling import priority_ranges, resolve_max_tokens, sampling_params
 from pdserve.router.openai.access.tenants import Tenant, effective_cache_salt
 
@@ -49,6 +50,7 @@ class ServingContext:
     metrics: RouterMetrics
     logprobs: LogprobFormatter  # shared, so its token-text cache serves every request
     tenant: Tenant | None = None  # the caller's, once authenticated (None: no API keys configured)
+    tool_calls: ToolCallConfig = ToolCallConfig()
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)  # the model's (sampling.with_defaults)
 
     def check_model(self, requested: str | None) -> None:
@@ -88,8 +90,10 @@ def generation_requests(
     response_id: str,
     max_tokens: MaxTokens,
     logprobs: int | None,
+    guide: Guide | None = None,
 ) -> list[GenerationRequest]:
-    """One backend request per prompt, ids `<response_id>-<prompt index>`."""
+    """One backend request per prompt, ids `<response_id>-<prompt index>`; `guide` constrains
+    every output."""
     if len(prompts) * body.n > ctx.limits.max_choices:
         raise bad_request(f"{len(prompts)} prompts × n={body.n} exceeds {ctx.limits.max_choices} choices", "n")
     requests = []
@@ -101,7 +105,7 @@ def generation_requests(
         requests.append(GenerationRequest(
             request_id=RequestId(f"{response_id}-{i}"),
             prompt_token_ids=prompt.token_ids,
-            sampling=sampling_params(body, limit, logprobs, ctx.info.vocab_size),
+            sampling=sampling_params(body, limit, logprobs, ctx.info.vocab_size, guide),
             cache_salt=effective_cache_salt(ctx.tenant, body.cache_salt),
             priorities=priority_ranges(body, num_tokens),
         ))

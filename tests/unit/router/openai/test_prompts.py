@@ -42,3 +42,27 @@ def test_chat_is_rendered_then_encoded_without_extra_specials(tokenizer: Tokeniz
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}])
     assert chat_prompt(body, tokenizer, 4096) == Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)),
                                                           "messages")
+
+
+class RecordingTokenizer:
+    """Records what the chat template would be given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list, dict]] = []
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **extra):
+        self.calls.append((messages, extra))
+        return "rendered"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1, 2, 3]
+
+
+def test_tools_reach_the_template_only_when_given() -> None:
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}]})
+    recorder = RecordingTokenizer()
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    chat_prompt(body, recorder, 64)
+    chat_prompt(body, recorder, 64, tools)
+    assert recorder.calls == [([{"role": "user", "content": "Hi"}], {}),
+                              ([{"role": "user", "content": "Hi"}], {"tools": tools})]

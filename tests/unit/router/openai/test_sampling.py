@@ -2,9 +2,8 @@ import pytest
 
 from pdserve.common.request import PriorityRange, SamplingParams
 from pdserve.router.openai.errors import ApiError
-from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.protocol import CompletionRequest
 from pdserve.router.openai.sampling import (
-    check_chat_supported,
     check_completion_supported,
     priority_ranges,
     resolve_max_tokens,
@@ -83,12 +82,3 @@ def test_unimplemented_completion_fields_are_refused(fields: dict[str, object], 
 
 def test_neutral_values_of_unimplemented_fields_pass() -> None:
     check_completion_supported(completion(repetition_penalty=1.0, best_of=1, logit_bias={}, min_tokens=0))
-
-
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
-])
-def test_unimplemented_chat_fields_are_refused(fields: dict[str, object], param: str) -> None:
-    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **fields})
-    assert refusal(check_chat_supported, body)[2] == param

@@ -1,0 +1,1 @@
+"""Structured output and tool calling: guides from request fields, tool plans, tool-call parsing."""

@@ -39,11 +39,15 @@ def unavailable_reason() -> str | None:
     if shutil.which("ip") is None:
         return "no `ip` command (iproute2)"
     probe = f"pdprobe{os.getpid() % 100000}"
+    steps = [("netns", "add", probe), ("-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"),
+             ("netns", "exec", probe, "true")]  # a namespace, a veth pair in it, a process in it
     try:
-        ip("netns", "add", probe)
+        for step in steps:
+            ip(*step)
     except subprocess.CalledProcessError as exc:
-        return f"`ip netns add` failed: {exc.stderr.decode().strip()}"
-    ip("netns", "del", probe)
+        return f"`ip {' '.join(exc.cmd[1:])}` failed: {exc.stderr.decode().strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
     return None
 
 
@@ -64,6 +68,13 @@ class Network:
     _made_netns_etc: bool = False
 
     def __post_init__(self) -> None:
+        try:
+            self._build_hub()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build_hub(self) -> None:
         self.subnet = _free_subnet()
         self.hub = self._add_namespace(f"{self.tag}-hub")
         self._in(self.hub, "link", "add", "br0", "type", "bridge")
@@ -77,7 +88,7 @@ class Network:
     def add_host(self, name: str) -> Host:
         """A namespace with an address on the bridge and a hosts file of its own (localhost only)."""
         i = len(self.hosts)
-        netns = self._add_namespace(f"{self.tag}-{name}")
+        netns = self._add_namespace(f"{self.tag}-{name}")  # close() removes it even if the rest fails
         link, plug = f"{self.tag}h{i}", f"{self.tag}b{i}"
         ip("link", "add", link, "type", "veth", "peer", "name", plug)
         ip("link", "set", link, "netns", netns)

@@ -81,10 +81,14 @@ class DnsDiscovery:
             self._members.drain(address, "its address left the DNS name")
 
     async def run(self) -> None:
-        """Refresh every `interval_s` until cancelled."""
+        """Refresh every `interval_s` until cancelled; a refresh that fails unexpectedly is
+        logged and the next one runs (discovery must outlive one bad answer)."""
         while True:
             await asyncio.sleep(self._interval_s)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("worker discovery: refresh failed; trying again in %g s", self._interval_s)
 
     async def _resolve_one(self, name: str, port: int) -> frozenset[str] | None:
         """The worker addresses behind `name`; None if it could not be resolved (kept as it was;

@@ -54,9 +54,9 @@ class HeldBlocks:
 
 
 def make_cluster(workers: dict[str, FakeWorker], resolver: StubResolver, wait_s: float = 5.0,
-                 static: tuple[str, ...] = ()) -> Cluster:
+                 static: tuple[str, ...] = (), interval_s: float = 3600.0) -> Cluster:
     pool = PoolConfig(poll_interval_s=3600.0, failure_threshold=1, wait_timeout_s=wait_s, drain_timeout_s=5.0)
-    config = ClusterConfig(static, pool, dns_names=(NAME,), dns_interval_s=3600.0)
+    config = ClusterConfig(static, pool, dns_names=(NAME,), dns_interval_s=interval_s)
     return Cluster(config, workers.__getitem__, lambda address: HeldBlocks(), resolver)
 
 
@@ -119,6 +119,19 @@ def test_workers_appearing_behind_the_name_are_admitted_and_indexed() -> None:
         return found
 
     assert asyncio.run(scenario()) == ([A, B], len(KEYS))
+
+
+def test_the_router_keeps_resolving_the_name_while_it_serves() -> None:
+    resolver = StubResolver(["10.0.0.1"])
+
+    async def scenario() -> None:
+        cluster = make_cluster(fleet(A, B), resolver, interval_s=0.05)
+        await cluster.start()
+        resolver.ips = ["10.0.0.2"]
+        await settle(cluster, lambda: up(cluster) == [B] and A not in cluster.pool.handles)
+        await cluster.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_worker_found_with_another_model_is_refused_like_a_static_one() -> None:

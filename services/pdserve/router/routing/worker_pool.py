@@ -128,7 +128,9 @@ class WorkerPool:
                                          f"answered within {self._config.wait_timeout_s:g} s{refused}")
         self._reference = min(infos.items())
         for handle in self.handles.values():
-            if handle.info is not None and not handle.is_leaving:
+            if handle.is_leaving:
+                continue
+            if handle.info is not None:
                 self._bring_up(handle)
             elif handle.refusal is None:
                 log.warning("worker %s did not answer at start; it joins when it does", handle.address)

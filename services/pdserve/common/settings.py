@@ -40,6 +40,8 @@ DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTING_POLICIES = ("kv_aware", "round_robin", "least_loaded", "random")
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")  # router/openai/tool_parsers.py reads each
+DEFAULT_WORKER = "127.0.0.1:50051"
+POD_NAME_ENV = "POD_NAME"  # a Kubernetes pod's name, set through the downward API
 
 
 def default_cache_dir() -> str:
@@ -133,7 +135,8 @@ class WorkerSettings:
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
     worker_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                 help="name of this worker to its peers (default: the identity in its TLS "
-                                     "certificate, else <role>@<host name>:<port>)")
+                                     f"certificate, else ${POD_NAME_ENV} when set (Kubernetes' downward API), "
+                                     "else <role>@<host name>:<port>)")
     tls_dir: str | None = tls_dir_option()
     insecure_internal: bool = insecure_internal_option()
     deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
@@ -215,8 +218,9 @@ class RouterSettings:
                                 help="directory keeping GGUF conversions for fast restarts ('' turns it off)")
     host: str = opt("127.0.0.1", parse=cv.parse_str, help="HTTP listen address")
     port: int = opt(8000, parse=cv.parse_int, help="HTTP listen port")
-    workers: tuple[str, ...] = opt(("127.0.0.1:50051",), parse=cv.parse_addresses, flag="worker",
-                                   help="worker gRPC address(es), comma-separated host:port")
+    workers: tuple[str, ...] = opt((), parse=cv.parse_addresses, flag="worker",
+                                   help="worker gRPC address(es), comma-separated host:port (default: "
+                                        f"{DEFAULT_WORKER} unless --worker-dns is given)")
     rpc_timeout_s: float = opt(5.0, parse=cv.parse_float, flag="rpc-timeout",
                                help="deadline of each control call to a worker (seconds)")
     generate_timeout_s: float = opt(3600.0, parse=cv.parse_float, flag="generate-timeout",
@@ -283,6 +287,12 @@ class RouterSettings:
                                         help="seconds between load queries to each worker")
     worker_failure_threshold: int = opt(3, parse=cv.parse_int,
                                         help="failed load queries in a row that take a worker out of rotation")
+    worker_dns: tuple[str, ...] = opt((), parse=cv.parse_addresses,
+                                      help="DNS name(s) of workers, comma-separated NAME:PORT (a Kubernetes headless "
+                                           "Service, a compose service): every address behind a name is admitted like "
+                                           "a --worker, and drained out once it leaves the name")
+    worker_dns_interval_s: float = opt(5.0, parse=cv.parse_float, flag="worker-dns-interval",
+                                       help="seconds between resolutions of each --worker-dns name")
 
     def __post_init__(self) -> None:
         check(0 < self.port < 65536, "port", self.port, "must be in 1..65535")
@@ -290,10 +300,12 @@ class RouterSettings:
               "must be >= 0")
         check_positive(self, "rpc_timeout_s", "generate_timeout_s", "worker_wait_timeout_s",
                        "first_output_timeout_s", "output_timeout_s", "session_ttl_s", "worker_poll_interval_s",
-                       "worker_failure_threshold", "max_pending_requests")
+                       "worker_failure_threshold", "max_pending_requests", "worker_dns_interval_s")
         check(len(set(self.workers)) == len(self.workers), "workers", ",".join(self.workers),
               "names a worker twice")
         check(self.migration_limit >= 0, "migration_limit", self.migration_limit, "must be >= 0")
+        check(len(set(self.worker_dns)) == len(self.worker_dns), "worker_dns", ",".join(self.worker_dns),
+              "names a DNS name twice")
         check(self.router_temperature >= 0, "router_temperature", self.router_temperature, "must be >= 0")
         check(self.prefill_load_scale >= 0, "prefill_load_scale", self.prefill_load_scale, "must be >= 0")
         for name in ("host_cache_hit_weight", "disk_cache_hit_weight"):
@@ -306,6 +318,11 @@ class RouterSettings:
     @property
     def has_api_keys(self) -> bool:
         return bool(self.api_key) or self.api_keys_file is not None
+
+    @property
+    def static_workers(self) -> tuple[str, ...]:
+        """The `--worker` addresses; the default one only when no DNS name is given either."""
+        return self.workers or (() if self.worker_dns else (DEFAULT_WORKER,))
 
 
 # ---- resolution: flag > environment > config file > default ---------------------------------
@@ -378,7 +395,13 @@ def resolve_worker_settings(argv: Sequence[str] | None = None,
                             environ: Mapping[str, str] | None = None) -> WorkerSettings:
     """`pdserve worker`'s settings. `environ` None reads the process environment.
     Raises ConfigError for a bad value; exits (argparse) on an unknown flag or --help."""
-    return _resolve_one(WorkerSettings, "pdserve worker", argv, environ)
+    settings = _resolve_one(WorkerSettings, "pdserve worker", argv, environ)
+    pod_name = (os.environ if environ is None else environ).get(POD_NAME_ENV)
+    if settings.worker_id is None and settings.tls_dir is None and pod_name:
+        # With TLS the certificate names the worker (`worker/__main__.py`); the pod name never
+        # contradicts it.
+        return dataclasses.replace(settings, worker_id=pod_name)
+    return settings
 
 
 def resolve_router_settings(argv: Sequence[str] | None = None,
@@ -409,8 +432,9 @@ def to_argv(settings: WorkerSettings | RouterSettings) -> list[str]:
 def child_environ(settings: WorkerSettings | RouterSettings | None = None) -> dict[str, str]:
     """This process's environment without its PDSERVE_ variables, for a child that gets
     every setting as a flag (a serve config file's keys would be unknown to a worker), plus
-    `settings`' secrets, which `to_argv` leaves out (a command line is world-readable)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    `settings`' secrets, which `to_argv` leaves out (a command line is world-readable). Without
+    POD_NAME: serve's workers in one pod would all take the pod's name as their id."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k != POD_NAME_ENV}
     for o in cv.options_of(type(settings), "") if settings is not None else ():
         value = getattr(settings, o.targets[0][1])
         if o.is_secret and value:

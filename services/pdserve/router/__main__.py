@@ -92,11 +92,19 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
                      tool_calls=ToolCallConfig(settings.enable_auto_tool_choice, settings.tool_call_parser))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
-    _log.info("serving %s from %d worker(s), %s routing, on http://%s:%d",
-              settings.served_model_name or info.model_name, len(settings.workers), settings.routing_policy,
-              settings.host, settings.port)
+    _log.info("serving %s from %s, %s routing, on http://%s:%d",
+              settings.served_model_name or info.model_name, _describe_workers(settings, cluster),
+              settings.routing_policy, settings.host, settings.port)
     _log.info("%s", _describe_access(api_keys, settings.protect_metrics))
     await uvicorn.Server(config).serve()
+
+
+def _describe_workers(settings: RouterSettings, cluster: Cluster) -> str:
+    """e.g. "2 worker(s)", or "3 worker(s), found behind prefill:50051 every 5 s"."""
+    described = f"{len(cluster.pool.handles)} worker(s)"
+    if settings.worker_dns:
+        described += f", found behind {','.join(settings.worker_dns)} every {settings.worker_dns_interval_s:g} s"
+    return described
 
 
 def _describe_access(api_keys: ApiKeys | None, protect_metrics: bool) -> str:
@@ -110,8 +118,9 @@ def _describe_access(api_keys: ApiKeys | None, protect_metrics: bool) -> str:
 def cluster_config(settings: RouterSettings, tls: TlsConfig | None = None) -> ClusterConfig:
     deployment = DeploymentId(settings.deployment_id) if settings.deployment_id else None
     pool = PoolConfig(settings.worker_poll_interval_s, settings.worker_failure_threshold,
-                      settings.worker_wait_timeout_s, deployment)
-    return ClusterConfig(settings.workers, pool, settings.rpc_timeout_s, settings.generate_timeout_s, tls)
+                      settings.worker_wait_timeout_s, deployment, drain_timeout_s=settings.generate_timeout_s)
+    return ClusterConfig(settings.static_workers, pool, settings.rpc_timeout_s, settings.generate_timeout_s, tls,
+                         settings.worker_dns, settings.worker_dns_interval_s)
 
 
 def routing_config(settings: RouterSettings) -> RoutingConfig:

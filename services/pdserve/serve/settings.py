@@ -151,7 +151,7 @@ def new_deployment_id() -> str:
 
 def _serve_options() -> list[cv.Option]:
     options = cv.merged(
-        cv.options_of(RouterSettings, "router", skip=("workers", "tls_dir"))
+        cv.options_of(RouterSettings, "router", skip=("workers", "worker_dns", "worker_dns_interval_s", "tls_dir"))
         + cv.options_of(WorkerSettings, "worker", rename=_WORKER_FLAGS,
                         skip=("role", "worker_id", "tls_dir", "health_port"))  # serve is probed over HTTP
         + cv.options_of(ServeTopology, "topology")

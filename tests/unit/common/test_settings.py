@@ -9,6 +9,7 @@ from pdserve.common.model_source import default_model_path
 from pdserve.common.settings import (
     RouterSettings,
     WorkerSettings,
+    child_environ,
     resolve_router_settings,
     resolve_worker_settings,
     to_argv,
@@ -186,3 +187,28 @@ def test_worker_ports_must_be_in_range(flag: str) -> None:
         resolve_worker_settings([flag, "65536"], NO_ENV)
     assert (caught.value.field, caught.value.value) == (flag, 65536)
     assert getattr(resolve_worker_settings([flag, "0"], NO_ENV), flag[2:].replace("-", "_")) == 0
+
+
+def test_worker_dns_names_replace_the_default_worker_and_may_sit_beside_static_ones() -> None:
+    assert resolve_router_settings([], NO_ENV).static_workers == ("127.0.0.1:50051",)
+    found = resolve_router_settings(["--worker-dns", "prefill:50051,decode:50051", "--worker-dns-interval", "2"], NO_ENV)
+    assert (found.worker_dns, found.static_workers, found.worker_dns_interval_s) == (
+        ("prefill:50051", "decode:50051"), (), 2.0)
+    both = resolve_router_settings(["--worker-dns", "decode:50051", "--worker", "10.0.0.9:50051"], NO_ENV)
+    assert both.static_workers == ("10.0.0.9:50051",)
+    with pytest.raises(ConfigError) as caught:
+        resolve_router_settings(["--worker-dns", "decode"], NO_ENV)
+    assert caught.value.field == "--worker-dns"
+
+
+def test_a_worker_in_a_pod_is_named_after_the_pod_unless_its_certificate_or_flag_names_it() -> None:
+    pod = {"POD_NAME": "pdserve-prefill-7d9f-x2k4q"}
+    assert resolve_worker_settings(["--insecure-internal"], pod).peer_name == "pdserve-prefill-7d9f-x2k4q"
+    assert resolve_worker_settings(["--worker-id", "p0"], pod).peer_name == "p0"
+    assert resolve_worker_settings(["--tls-dir", "/etc/pdserve/tls"], pod).worker_id is None  # the certificate's
+    assert resolve_worker_settings(["--role", "prefill", "--port", "7000"], NO_ENV).peer_name == "prefill@127.0.0.1:7000"
+
+
+def test_a_child_process_never_inherits_the_pod_name(monkeypatch) -> None:
+    monkeypatch.setenv("POD_NAME", "pdserve-0")
+    assert "POD_NAME" not in child_environ()

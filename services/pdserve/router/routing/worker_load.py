@@ -61,6 +61,11 @@ class LoadBook:
         self._dispatches.discard(entry)
         self._given_back.append(_GivenBack(entry.dispatched_at, now, (1, entry.num_blocks, entry.num_prefill_tokens)))
 
+    @property
+    def num_live(self) -> int:
+        """Dispatches not finished yet (the streams on the worker)."""
+        return len(self._dispatches)
+
     def clear(self) -> None:
         """Forget every dispatch (the worker went away, and its requests with it)."""
         self._dispatches.clear()

@@ -85,6 +85,9 @@ class RecordingListener:
     def worker_down(self, handle) -> None:
         self.events.append(("down", handle.address))
 
+    def worker_removed(self, handle) -> None:
+        self.events.append(("removed", handle.address))
+
 
 def make_pool(workers: dict[str, FakeWorker], clock: FakeClock | None = None, threshold: int = 2,
               wait_s: float = 0.0, deployment_id: DeploymentId | None = None) -> WorkerPool:

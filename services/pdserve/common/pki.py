@@ -19,6 +19,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 CA_CERT, CERT, KEY = "ca.crt", "tls.crt", "tls.key"
 CA_KEY = "ca.key"
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+# Every certificate also names this: a channel to an address no certificate can name ahead of time
+# (a pod or container IP found by DNS discovery) checks the server against it (rpc/tls.py).
+INTERNAL_NAME = "pdserve-internal"
 DEFAULT_VALID_DAYS = 365
 
 
@@ -92,7 +95,7 @@ class Authority:
         if identity == identity_of(self.cert_pem):  # would read as self-signed, and fail verification
             raise ValueError(f"identity {identity!r}: the authority's own name")
         key = ec.generate_private_key(ec.SECP256R1())
-        names = [_alt_name(host) for host in dict.fromkeys((*hosts, *LOCAL_HOSTS)) if host]
+        names = [_alt_name(host) for host in dict.fromkeys((*hosts, *LOCAL_HOSTS, INTERNAL_NAME)) if host]
         now = _now()
         cert = (x509.CertificateBuilder()
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity)]))

@@ -1,9 +1,19 @@
 """gRPC channels and servers over mutual TLS (or plain text when `tls` is None), and the
-identity of the process at the other end of a call."""
+identity of the process at the other end of a call.
+
+A channel checks the server's certificate against the host it dials. A worker found by DNS
+discovery is dialled at its pod or container IP, which no certificate names ahead of time (and
+a decode worker dials its prefill worker at the address the router passes on): for a
+non-loopback IP literal the certificate must instead name `pki.INTERNAL_NAME`, which every
+certificate of the deployment's authority carries. The authority is private to the deployment,
+and who is at the other end is read from the certificate's identity, not from its address.
+"""
+import ipaddress
 from collections.abc import Sequence
 
 import grpc
 
+from pdserve.common.pki import INTERNAL_NAME
 from pdserve.common.tls import TlsConfig
 
 Options = Sequence[tuple[str, object]]
@@ -24,13 +34,24 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
 def aio_channel(address: str, tls: TlsConfig | None, options: Options = ()) -> grpc.aio.Channel:
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, channel_credentials(tls), options=list(options))
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=secure_options(address, options))
 
 
 def sync_channel(address: str, tls: TlsConfig | None, options: Options = ()) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, channel_credentials(tls), options=list(options))
+    return grpc.secure_channel(address, channel_credentials(tls), options=secure_options(address, options))
+
+
+def secure_options(address: str, options: Options = ()) -> list[tuple[str, object]]:
+    """`options`, checking the certificate against INTERNAL_NAME when `address` is a
+    non-loopback IP literal (see the module's docstring)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        is_remote_ip = not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        is_remote_ip = False
+    return [*options, ("grpc.ssl_target_name_override", INTERNAL_NAME)] if is_remote_ip else list(options)
 
 
 def add_port(server: grpc.aio.Server, address: str, tls: TlsConfig | None) -> int:

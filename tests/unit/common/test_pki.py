@@ -17,7 +17,7 @@ def test_an_issued_certificate_names_its_identity_and_hosts_and_is_signed_by_the
     cert = x509.load_pem_x509_certificate(issued.cert)
     assert pki.identity_of(issued.cert) == "decode-0"
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert names.get_values_for_type(x509.DNSName) == ["decode", "localhost"]
+    assert names.get_values_for_type(x509.DNSName) == ["decode", "localhost", pki.INTERNAL_NAME]
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.7", "127.0.0.1", "::1"]
     cert.verify_directly_issued_by(authority.cert)
     other = pki.Authority.create("other")

@@ -4,6 +4,7 @@ identity in its certificate."""
 import asyncio
 
 import grpc
+from cryptography import x509
 import pytest
 
 from pdserve.common import pki
@@ -15,7 +16,7 @@ from pdserve.common.tls import TlsConfig
 from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.rpc.kv_transfer_service import add_kv_transfer_service
 from pdserve.rpc.probe import is_worker_serving
-from pdserve.rpc.tls import add_port
+from pdserve.rpc.tls import add_port, secure_options
 from pdserve.rpc.worker_client import GrpcBackend
 from pdserve.worker.server import WorkerServer
 from tests.unit.worker.fake_engine import FakeEngine
@@ -120,3 +121,52 @@ def test_the_kv_transfer_service_refuses_a_caller_without_a_certificate_of_its_a
         return handler.calls
 
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == []
+
+
+@pytest.mark.parametrize(("address", "is_checked_as_internal"), [
+    ("10.77.0.5:50051", True), ("[fd00::5]:50051", True), ("127.0.0.1:50051", False), ("[::1]:50051", False),
+    ("prefill:50051", False), ("pdserve-decode.ns.svc.cluster.local:50051", False)])
+def test_a_remote_ip_is_checked_against_the_internal_name_every_certificate_carries(
+        address: str, is_checked_as_internal: bool) -> None:
+    override = ("grpc.ssl_target_name_override", pki.INTERNAL_NAME)
+    assert (override in secure_options(address)) == is_checked_as_internal
+    issued = x509.load_pem_x509_certificate(pki.Authority.create("ca").issue("w").cert)
+    names = issued.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert pki.INTERNAL_NAME in names.get_values_for_type(x509.DNSName)
+
+
+def this_machines_ip() -> str | None:
+    """A non-loopback IPv4 address of this machine, if it has one."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.1", 9))  # a documentation address: nothing is sent, a route is chosen
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_a_worker_dialled_at_an_ip_its_certificate_does_not_name_is_reached_through_the_internal_name() -> None:
+    ip = this_machines_ip()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to dial")
+
+    async def scenario() -> tuple[str, type]:
+        server = WorkerServer(FakeEngine(), "0.0.0.0", 0, tls=tls("decode-0"))  # named for loopback only
+        address = f"{ip}:{await server.start()}"
+        try:
+            backend = GrpcBackend(address, rpc_timeout_s=5.0, tls=tls("router"))
+            stranger = GrpcBackend(address, rpc_timeout_s=5.0, tls=tls("router", STRANGER))
+            try:
+                name = (await backend.info()).model.model_name
+                with pytest.raises(WorkerUnavailableError) as refused:
+                    await stranger.info()
+                return name, type(refused.value)
+            finally:
+                await backend.close()
+                await stranger.close()
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == ("tiny-llama", WorkerUnavailableError)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.router.openai.errors import bad_request
-from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.router.openai.sampling import check_token_ids
 
 
@@ -19,6 +19,8 @@ class PromptTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
@@ -60,14 +62,19 @@ def completion_prompts(
 
 def chat_prompt(body: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int) -> Prompt:
     """The rendered chat's token ids. A template that rejects the chat raises a 400 on `messages`."""
-    messages: list[dict[str, Any]] = []
-    for message in body.messages:
+    text = render_chat(tokenizer, body.messages, body.add_generation_prompt)
+    return checked_prompt(tokenizer.encode(text, add_special_tokens=False), "messages", max_model_len)
+
+
+def render_chat(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+    """The chat's text under the model's template (`/tokenize` renders it the same way)."""
+    rendered_messages: list[dict[str, Any]] = []
+    for message in messages:
         rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
         if message.name is not None:
             rendered["name"] = message.name
-        messages.append(rendered)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-    return checked_prompt(tokenizer.encode(text, add_special_tokens=False), "messages", max_model_len)
+        rendered_messages.append(rendered)
+    return tokenizer.apply_chat_template(rendered_messages, add_generation_prompt=add_generation_prompt)
 
 
 def checked_prompt(token_ids: Sequence[int], param: str, max_model_len: int) -> Prompt:

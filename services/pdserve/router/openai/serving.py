@@ -43,16 +43,21 @@ class ServingContext:
     backend: GenerateBackend
     tokenizer: PromptTokenizer
     info: ModelInfo
-    model_name: str
+    model_names: tuple[str, ...]  # every name a request may use; responses report the first
     limits: ApiLimits
     metrics: RouterMetrics
     logprobs: LogprobFormatter  # shared, so its token-text cache serves every request
     tenant: Tenant | None = None  # the caller's, once authenticated (None: no API keys configured)
 
+    @property
+    def model_name(self) -> str:
+        """The name responses report (vLLM's: the first served name)."""
+        return self.model_names[0]
+
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise ApiError(404, f"the model '{requested}' does not exist; this server serves "
-                                f"'{self.model_name}'", "model")
+        if requested is not None and requested not in self.model_names:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
+            raise ApiError(404, f"the model '{requested}' does not exist; this server serves {served}", "model")
 
     def run(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Event]:
         timeouts = StreamTimeouts(self.limits.first_output_timeout_s, self.limits.output_timeout_s)

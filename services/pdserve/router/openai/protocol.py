@@ -119,3 +119,27 @@ class ChatCompletionRequest(SamplingBody):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
+
+
+# ---- vLLM's tokenizer routes (`tokenization.py`) ------------------------------------------------
+
+class TokenizeRequest(StrictModel):
+    """vLLM's `TokenizeCompletionRequest` (`prompt`) or `TokenizeChatRequest` (`messages`)."""
+
+    model: str | None = Field(None, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for a chat (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = Field(None, max_length=256)
+    tokens: list[int]

@@ -9,37 +9,14 @@ a 400 in OpenAI's envelope.
 """
 from importlib.metadata import PackageNotFoundError, version
 
-from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.router.openai.body import parse_body, read_body
 from pdserve.router.openai.prompts import render_chat
-from pdserve.router.openai.protocol import ChatMessage, StrictModel
+from pdserve.router.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pdserve.router.openai.sampling import check_token_ids
 from pdserve.router.openai.serving import ServingContext
-
-
-class TokenizeRequest(StrictModel):
-    """vLLM's `TokenizeCompletionRequest` (`prompt`) or `TokenizeChatRequest` (`messages`)."""
-
-    model: str | None = Field(None, max_length=256)
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool | None = None  # None: True for a prompt, False for a chat (as vLLM)
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _prompt_or_messages(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' and 'messages'")
-        return self
-
-
-class DetokenizeRequest(StrictModel):
-    model: str | None = Field(None, max_length=256)
-    tokens: list[int]
 
 
 def pdserve_version() -> str:

@@ -26,6 +26,7 @@ sampling = st.builds(
     seed=st.none() | st.integers(-(2**63), 2**63 - 1), stop=st.lists(text, max_size=3).map(tuple),
     stop_token_ids=st.lists(u32, max_size=3).map(tuple), ignore_eos=st.booleans(), n=u32,
     logprobs=st.none() | u32, include_stop_str_in_output=st.booleans(),
+    prompt_logprobs=st.none() | u32, skip_special_tokens=st.booleans(), spaces_between_special_tokens=st.booleans(),
 )
 requests = st.builds(
     GenerationRequest,
@@ -44,6 +45,7 @@ outputs = st.builds(
     logprobs=st.lists(logprobs, max_size=2).map(tuple),
     finish_reason=st.sampled_from([None, "stop", "length", "abort", "error"]),
     num_prompt_tokens=u32, num_cached_tokens=u32, error=st.none() | text,
+    prompt_logprobs=st.lists(logprobs, max_size=2).map(tuple),
 )
 
 
@@ -64,6 +66,12 @@ def test_stats_and_info_round_trip() -> None:
     info = ModelInfo("m", 2048, 16, "sha256-v1", WorkerRole.PREFILL, 49152, (0, 2))
     assert convert.stats_from_proto(convert.stats_to_proto(stats)) == stats
     assert convert.info_from_proto(convert.info_to_proto(info)) == info
+
+
+def test_detokenization_flags_left_unset_by_an_older_router_mean_vllms_defaults() -> None:
+    params = convert.sampling_from_proto(request_pb2.SamplingParams(max_tokens=3))
+    assert (params.skip_special_tokens, params.spaces_between_special_tokens, params.prompt_logprobs) == (
+        True, True, None)
 
 
 def test_request_without_sampling_gets_sampling_defaults() -> None:

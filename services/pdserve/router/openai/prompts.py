@@ -33,6 +33,7 @@ class Prompt:
 
     token_ids: tuple[int, ...]
     param: str
+    text: str | None = None  # as the client wrote it (None: given as token ids); `echo` repeats it
 
 
 def completion_prompts(
@@ -56,7 +57,8 @@ def completion_prompts(
         else:
             check_token_ids(item, vocab_size, param)
             token_ids = item
-        prompts.append(checked_prompt(token_ids, param, max_model_len))
+        prompt = checked_prompt(token_ids, param, max_model_len)
+        prompts.append(Prompt(prompt.token_ids, param, item) if isinstance(item, str) else prompt)
     return prompts
 
 

@@ -76,13 +76,15 @@ class SamplingBody(StrictModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     priority: PriorityBody | None = None
     lora_id: int | None = None
+    # ---- detokenization (vLLM's extensions; `skip_special_tokens` above) ----
+    spaces_between_special_tokens: bool = True
 
 
 class CompletionRequest(SamplingBody):
     """`prompt`: a string, a list of token ids, or a batch (list of strings / of token-id lists)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)  # None: 16, capped to the context left
+    max_tokens: int | None = Field(None, ge=0)  # None: 16, capped to the context left; 0: echo the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

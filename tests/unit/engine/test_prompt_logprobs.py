@@ -1,6 +1,6 @@
 """Prompt logprobs (vLLM's `prompt_logprobs`, behind `echo` with `logprobs`) computed by the
 engine from its prefill, against transformers' log_softmax of the same tiny checkpoint in
-float32; and the special-token options reaching the detokenizer."""
+float32."""
 import pytest
 import torch
 
@@ -13,7 +13,7 @@ from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.model import prompt_logprobs as module
 from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
-from token_store_runner import CharTokenizer, TokenStoreRunner, next_token
+from token_store_runner import CharTokenizer
 
 TOL = 1e-4  # as the model's logits parity (test_model_parity.py)
 PROMPT = prompt(21, seed=7)
@@ -104,12 +104,3 @@ def test_long_chunks_are_reduced_slice_by_slice_with_the_same_result(monkeypatch
     assert [e.logprob for e in whole] == pytest.approx(reference[range(7), next_ids].tolist(), abs=1e-6)
     with pytest.raises(ValueError, match="7 logits rows for 6 next tokens"):
         prompt_token_logprobs(logits, next_ids[:6], 2)
-
-
-@pytest.mark.parametrize(("skip", "text"), [(True, ""), (False, "A")])
-def test_skip_special_tokens_reaches_the_detokenizer(skip, text):
-    first = next(t for t in range(3, 97) if next_token([t]) == 0)  # its greedy next token is EOS (id 0)
-    kv = KvCacheManager(KvCacheConfig(tokens_per_block=4), 16)
-    engine = LLMEngine(TokenStoreRunner(16, 4), kv, CharTokenizer(), SchedulerConfig(4, 64, 64))
-    outputs = generate(engine, "r", [first], max_tokens=1, skip_special_tokens=skip)
-    assert [(o.token_ids, o.text) for o in outputs] == [((0,), text)]

@@ -26,7 +26,7 @@ from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
 from pdserve.engine.model.sampler import MAX_LOGPROBS, Sampler, SamplingRow, check_sampling_params, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
-from pdserve.engine.core.stopping import finish_reason_after
+from pdserve.engine.core.stopping import finish_reason_after, is_stop_token
 from pdserve.kvcache import ClaimResult, KvCacheManager
 
 # Request ids never contain these: the engine derives its KV sequence ids from a request id with
@@ -316,7 +316,8 @@ class LLMEngine:
     def _advance(self, seq: Sequence, token_id: int, logprob) -> RequestOutput:
         seq.token_ids.append(token_id)
         self.kv.append_tokens(seq.seq_id, [token_id])
-        piece = seq.stops.feed(seq.detokenizer.add([token_id]))
+        is_text = seq.request.sampling.include_stop_str_in_output or not is_stop_token(seq, token_id, self.eos_token_ids)
+        piece = seq.stops.feed(seq.detokenizer.add([token_id]) if is_text else "")
         reason = "stop" if piece.stopped else finish_reason_after(seq, token_id, self.eos_token_ids, self.config.max_model_len)
         if seq.prefill_only and reason is None:
             reason = "length"

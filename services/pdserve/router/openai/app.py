@@ -1,7 +1,7 @@
 """The router's FastAPI app: OpenAI-compatible routes over one `GenerateBackend`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (every served
-name), vLLM's `POST /tokenize`, `POST /detokenize` and `GET /version` (`tokenization.py`),
+name), vLLM's `POST /tokenize`, `POST /detokenize` and `GET /version` (`tokenization/`),
 `GET /metrics`, `GET /openapi.json` (request bodies described from their models, `openapi.py`), and
 health: `GET /health/live` (liveness: 200 while the router answers HTTP), `GET /health/ready`
 (readiness: 200 while a decode-capable worker is in rotation, else 503 naming why) and `GET /health`
@@ -39,10 +39,11 @@ from pdserve.router.openai.logprobs import LogprobFormatter
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.router.openai.openapi import describe_request_bodies, request_body
 from pdserve.router.openai.prompts import PromptTokenizer
-from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                            TokenizeRequest)
 from pdserve.router.openai.responses import ModelCard, ModelList
 from pdserve.router.openai.serving import ApiLimits, ClientGone, ServingContext, new_response_id
-from pdserve.router.openai.tokenization import DetokenizeRequest, TokenizeRequest, detokenize, pdserve_version, tokenize
+from pdserve.router.openai.tokenization.routes import detokenize, pdserve_version, tokenize
 
 STATS_TIMEOUT_S = 5.0
 MAX_REQUEST_ID_CHARS = 256

@@ -123,7 +123,7 @@ class ChatCompletionRequest(SamplingBody):
     tool_choice: str | dict[str, object] | None = None
 
 
-# ---- vLLM's tokenizer routes (`tokenization.py`) ------------------------------------------------
+# ---- vLLM's tokenizer routes (`tokenization/`) ------------------------------------------------
 
 class TokenizeRequest(StrictModel):
     """vLLM's `TokenizeCompletionRequest` (`prompt`) or `TokenizeChatRequest` (`messages`)."""

@@ -84,9 +84,9 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
                      api_keys=api_keys, protect_metrics=settings.protect_metrics)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
-    _log.info("serving %s from %d worker(s), %s routing, on http://%s:%d",
-              ", ".join(settings.served_model_name or (info.model_name,)), len(settings.workers), settings.routing_policy,
-              settings.host, settings.port)
+    names = settings.served_model_name or (info.model_name,)
+    _log.info("serving %s from %d worker(s), %s routing, on http://%s:%d", ", ".join(names), len(settings.workers),
+              settings.routing_policy, settings.host, settings.port)
     _log.info("%s", _describe_access(api_keys, settings.protect_metrics))
     await uvicorn.Server(config).serve()
 

@@ -19,7 +19,7 @@ from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
 from pdserve.engine.core.handoff import Handoffs
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from pdserve.common.ids import BlockId, RequestId
-from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.common.request import GenerationRequest, RequestOutput, TokenLogprob
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.host_store import TierStore
 from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
@@ -316,7 +316,8 @@ class LLMEngine:
     def _advance(self, seq: Sequence, token_id: int, logprob) -> RequestOutput:
         seq.token_ids.append(token_id)
         self.kv.append_tokens(seq.seq_id, [token_id])
-        is_text = seq.request.sampling.include_stop_str_in_output or not is_stop_token(seq, token_id, self.eos_token_ids)
+        sampling = seq.request.sampling
+        is_text = sampling.include_stop_str_in_output or not is_stop_token(seq, token_id, self.eos_token_ids)
         piece = seq.stops.feed(seq.detokenizer.add([token_id]) if is_text else "")
         reason = "stop" if piece.stopped else finish_reason_after(seq, token_id, self.eos_token_ids, self.config.max_model_len)
         if seq.prefill_only and reason is None:
@@ -327,12 +328,12 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq)
         output = self._output(seq, (token_id,), text, reason, (logprob,) if logprob is not None else ())
-        if seq.num_output_tokens == 1 and seq.request.sampling.prompt_logprobs is not None:
+        if seq.num_output_tokens == 1 and sampling.prompt_logprobs is not None:
             return replace(output, prompt_logprobs=self._prompt_logprobs(seq))
         return output
 
     @staticmethod
-    def _prompt_logprobs(seq: Sequence) -> tuple:
+    def _prompt_logprobs(seq: Sequence) -> tuple[TokenLogprob, ...]:
         """The prompt's logprobs, tokens 1.. in order; () where they were not computed here (a
         prompt a peer prefilled: the decode worker keeps such requests local, so never in practice)."""
         known = seq.prompt_logprobs

@@ -55,7 +55,8 @@ def answered(url: str, route: str) -> dict[str, float]:
 
 def bench(url: str, checkpoint: str, tmp_path: Path, *args: str) -> tuple[int, dict]:
     out = tmp_path / f"result-{len(list(tmp_path.iterdir()))}.json"
-    code = main(["--base-url", url, "--tokenizer", checkpoint, "--disable-tqdm", "--json", str(out), *args])
+    # No --tokenizer: the stack serves the checkpoint under its path, so bench tokenizes with it.
+    code = main(["--base-url", url, "--disable-tqdm", "--json", str(out), *args])
     return code, json.loads(out.read_text())
 
 
@@ -71,6 +72,7 @@ def test_counts_and_token_totals_match_what_the_server_reports(stack, tmp_path):
     spec = DatasetSpec(num_prompts=8, random_input_len=40, random_output_len=6, random_range_ratio=0.5)
     turns = [c.turns[0] for c in build_dataset(spec, load_tokenizer(checkpoint), seed=1)]
     assert code == 0
+    assert result["model_id"] == result["tokenizer_id"] == checkpoint
     assert (result["completed"], result["failed"]) == (8, 0)
     assert after.get("200", 0) - before.get("200", 0) == 8
     assert result["total_input_tokens"] == sum(t.num_tokens for t in turns)

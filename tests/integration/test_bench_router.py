@@ -11,11 +11,13 @@ import pytest
 from http_fakes import WordBackend, load_test_tokenizer, model_info, serve
 from pdserve.bench.cli import main
 from pdserve.bench.datasets import DatasetSpec, build_dataset
+from pdserve.common.model_source import default_model_path
 from pdserve.router.openai.app import create_app
 
 pytestmark = pytest.mark.integration
 RUN = ["--num-prompts", "8", "--random-input-len", "20", "--random-output-len", "5",
-       "--random-range-ratio", "0.4", "--request-rate", "50", "--disable-tqdm"]
+       "--random-range-ratio", "0.4", "--request-rate", "50", "--disable-tqdm",
+       "--tokenizer", default_model_path()]  # the fake serves it under a name that is not a path
 
 
 @pytest.fixture(scope="module")

@@ -65,8 +65,10 @@ def post(http: httpx.Client, path: str, content: bytes | str) -> httpx.Response:
         "invalid value for 'temperature': Input should be a finite number (got nan)", "temperature")),
     ('{"prompt": "hi", "stream": "yes"}', bad(
         "invalid value for 'stream': Input should be a valid boolean (got 'yes')", "stream")),
+    ('{"prompt": "hi", "max_tokens": -1}', bad(
+        "invalid value for 'max_tokens': Input should be greater than or equal to 0 (got -1)", "max_tokens")),
     ('{"prompt": "hi", "max_tokens": 0}', bad(
-        "invalid value for 'max_tokens': Input should be greater than or equal to 1 (got 0)", "max_tokens")),
+        "'max_tokens' may be 0 only with 'echo' (the prompt alone, as vLLM answers it)", "max_tokens")),
     ('{"prompt": "hi", "temperature": 2.5}', bad(
         "invalid value for 'temperature': Input should be less than or equal to 2 (got 2.5)", "temperature")),
     ('{"prompt": "hi", "top_p": 0}', bad(
@@ -77,7 +79,7 @@ def post(http: httpx.Client, path: str, content: bytes | str) -> httpx.Response:
     ('{"prompt": "hi", "priority": 101}', bad(
         "invalid value for 'priority': Input should be less than or equal to 100 or a valid array (got 101)",
         "priority")),
-    ('{"prompt": "hi", "echo": true}', bad("'echo' is not supported by this server", "echo")),
+    ('{"prompt": "hi", "suffix": "x"}', bad("'suffix' is not supported by this server", "suffix")),
     ('{"prompt": "hi", "presence_penalty": 0.5}', bad(
         "'presence_penalty' is not supported by this server; leave it unset", "presence_penalty")),
     ('{"prompt": "hi", "lora_id": 3}', bad("'lora_id' is not supported by this server; leave it unset", "lora_id")),

@@ -83,7 +83,7 @@ def router(worker: tuple[int, WordBackend]) -> Iterator[tuple[str, subprocess.Po
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "router", "--worker", f"127.0.0.1:{worker[0]}",
-         "--port", str(port), "--served-model-name", "words", "--log-level", "warning", "--insecure-internal"])
+         "--port", str(port), "--served-model-name", "words", "/models/words", "--log-level", "warning", "--insecure-internal"])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, process)
@@ -117,6 +117,16 @@ def test_completion_through_grpc(router: tuple[str, subprocess.Popen[bytes]], to
     expected = "".join(WORDS[greedy_word(tuple(prompt_ids), step)] for step in range(4))
     assert (out.choices[0].text, streamed) == (expected, expected)
     assert out.usage is not None and out.usage.completion_tokens == 4
+
+
+def test_every_served_name_is_listed_and_accepted_and_the_first_reported(
+        router: tuple[str, subprocess.Popen[bytes]]) -> None:
+    with openai.OpenAI(base_url=f"{router[0]}/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        assert [m.id for m in client.models.list().data] == ["words", "/models/words"]
+        out = client.completions.create(model="/models/words", prompt="Over gRPC", max_tokens=2, temperature=0)
+        assert out.model == "words"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="/models/other", prompt="Over gRPC", max_tokens=2)
 
 
 def test_disconnect_reaches_the_worker(router: tuple[str, subprocess.Popen[bytes]],

@@ -36,19 +36,22 @@ class Target:
 
 
 def _tokenizer_path(flag: str | None, model: str) -> str:
-    """--tokenizer, else the served model when it is a local path, else pdserve's default model
-    (with a note on stderr unless the server serves that default model under its file name)."""
+    """The tokenizer that builds and counts prompts: --tokenizer, else the served model id when
+    it is a local path (pdserve and vLLM serve `--model PATH` under PATH), else pdserve's bundled
+    default model when the server serves it under its own name. Any other model without
+    --tokenizer is a ConfigError: another model's tokenizer would build prompts of the wrong
+    lengths, which the server then refuses."""
     if flag:
         return flag
     if Path(model).exists():
         return model
-    from pdserve.common.model_source import default_model_path
+    from pdserve.common.model_source import default_model_path, served_name
 
     default = default_model_path()
-    if Path(default).name.removesuffix(".gguf") != model:
-        print(f"pdserve bench: note: {model!r} is not a local path; counting tokens with {default}"
-              " (--tokenizer chooses another)", file=sys.stderr)
-    return str(default)
+    if served_name(default) == model:
+        return default
+    raise ConfigError("--tokenizer", None, f"the served model {model!r} is not a local path; pass --tokenizer "
+                                           "PATH (its tokenizer), or --model PATH if the server serves it by path")
 
 
 def _load_tokenizer(path: str) -> TextTokenizer:

@@ -35,7 +35,7 @@ class BenchConfig:
     base_url: str
     endpoint: str
     model: str | None  # None: the first model `/v1/models` lists
-    tokenizer: str | None  # None: the served model if it is a local path, else the default model
+    tokenizer: str | None  # None: the served model if it is a local path (else an error, see cli.py)
     dataset: DatasetSpec
     request_rate: float
     burstiness: float
@@ -62,7 +62,8 @@ def _add_target_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--backend", choices=BACKENDS, help="accepted for vLLM compatibility; "
                        "openai-chat implies --endpoint /v1/chat/completions")
     group.add_argument("--model", help="model name sent in requests (default: first of /v1/models)")
-    group.add_argument("--tokenizer", help="tokenizer path used to count and build prompts")
+    group.add_argument("--tokenizer", help="tokenizer path used to count and build prompts (default: the served model, "
+                                                "when it is a local path)")
     group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     group.add_argument("--api-key", help=f"bearer key for a server that wants one (default: ${API_KEY_ENV[0]}, "
                                          f"then ${API_KEY_ENV[1]})")

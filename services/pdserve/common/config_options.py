@@ -100,6 +100,18 @@ def parse_api_keys(raw: object) -> tuple[str, ...]:
     return keys
 
 
+def parse_names(raw: object) -> tuple[str, ...]:
+    """Names: one comma-separated string, or a list of them (`--served-model-name a b`, vLLM's
+    spelling, or a repeated flag)."""
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be one or more names")
+    names = tuple(part.strip() for item in items for part in str(item).split(","))
+    if not names or not all(names):
+        raise ValueError("must be one or more non-empty names")
+    return names
+
+
 def is_api_key_ok(key: str) -> bool:
     return bool(key) and key.isascii() and key.isprintable() and not any(c in key for c in " ,")
 
@@ -177,7 +189,7 @@ class Option:
     @property
     def is_list(self) -> bool:
         """A list flag may be repeated (`--worker a:1 --worker b:2`) or take a comma list."""
-        return self.parse in (parse_addresses, parse_api_keys)
+        return self.parse in (parse_addresses, parse_api_keys, parse_names)
 
 
 def options_of(cls: type, section: str, rename: Mapping[str, str] | None = None,
@@ -213,6 +225,9 @@ def build_parser(prog: str, options: list[Option]) -> argparse.ArgumentParser:
     if any(o.flag == "model" for o in options):  # `pdserve serve /models/x`, as `vllm serve` takes it
         parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the same as --model")
     for o in options:
+        if o.parse is parse_names:  # vLLM's `--served-model-name a b`
+            parser.add_argument(f"--{o.flag}", action="extend", nargs="+", help=o.help)
+            continue
         action = argparse.BooleanOptionalAction if o.is_bool else "append" if o.is_list else "store"
         parser.add_argument(f"--{o.flag}", action=action, help=o.help)
     return parser

@@ -42,6 +42,17 @@ def default_model_path() -> str:
     raise ConfigError("model", None, reason)
 
 
+def served_name(model: str) -> str:
+    """The API's name for `model` when no --served-model-name is given: `--model` exactly as
+    given, as vLLM serves it (so clients and `vllm bench serve --model PATH` written for vLLM
+    work unchanged); the bundled default, which nobody typed, by its file name without a
+    machine path."""
+    path = Path(model)
+    if path.name == DEFAULT_MODEL_FILE and path.parent.name == DEFAULT_MODEL_PACKAGE:
+        return path.name.removesuffix(".gguf")
+    return model
+
+
 def resolve_model(model: str | None) -> ModelSource:
     """What `--model` names: None → the default GGUF; a `.gguf` file; or an HF checkpoint dir.
 

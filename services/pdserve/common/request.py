@@ -61,6 +61,10 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     include_stop_str_in_output: bool = False
     guide: Guide | None = None  # structured output (JSON schema, regex, choice, tool calls)
+    # ---- prompt logprobs and detokenization (vLLM's semantics) ----
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (the prompt is then computed, not reused)
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True  # False: adjacent added tokens joined with no separator
 
     @property
     def is_greedy(self) -> bool:
@@ -101,6 +105,9 @@ class RequestOutput:
     # A decode worker's first output: the address of the prefill worker that computed the
     # prompt, or "local" (the path that actually ran, whatever the router asked for).
     prefilled_by: str = ""
+    # A completion's first output, when `prompt_logprobs` was asked for: prompt tokens 1.. in
+    # order (token 0 has no context, so no logprob).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def is_finished(self) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from pdserve.common import config_options as cv
 from pdserve.common.errors import ConfigError
-from pdserve.common.model_source import default_model_path
+from pdserve.common.model_source import default_model_path, served_name
 from pdserve.common.stats import WorkerRole
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,10 @@ class WorkerSettings:
 
     model: str = opt(factory=default_model_path, parse=cv.parse_str,
                      help="GGUF file or Hugging Face checkpoint directory (default: bundled SmolLM2-135M)")
-    served_model_name: str | None = opt(None, parse=cv.optional(cv.parse_str),
-                                        help="model name in the API (default: the model file's name)")
+    served_model_name: tuple[str, ...] = opt((), parse=cv.parse_names,
+                                             help="model name(s) in the API, e.g. `--served-model-name a b`: "
+                                                  "requests may name any, responses report the first "
+                                                  "(default: --model as given)")
     role: WorkerRole = opt(WorkerRole.BOTH, parse=cv.member_of(WorkerRole), help="both | prefill | decode")
     host: str = opt("127.0.0.1", parse=cv.parse_str, help="gRPC listen address")
     port: int = opt(50051, parse=cv.parse_int, help="gRPC listen port (0: any free port)")
@@ -185,8 +187,8 @@ class WorkerSettings:
 
     @property
     def model_name(self) -> str:
-        """The name the API serves the model under."""
-        return self.served_model_name or Path(self.model).name.removesuffix(".gguf")
+        """The name the API reports the model under (the first served name)."""
+        return self.served_model_name[0] if self.served_model_name else served_name(self.model)
 
     @property
     def address(self) -> str:
@@ -212,8 +214,9 @@ class RouterSettings:
     model: str = opt(factory=default_model_path, parse=cv.parse_str,
                      help="GGUF file or Hugging Face checkpoint directory, whose tokenizer and chat "
                           "template the router uses (default: bundled SmolLM2-135M)")
-    served_model_name: str | None = opt(None, parse=cv.optional(cv.parse_str),
-                                        help="model name in the API (default: the worker's)")
+    served_model_name: tuple[str, ...] = opt((), parse=cv.parse_names,
+                                             help="model name(s) in the API: requests may name any, responses "
+                                                  "report the first (default: the workers' name)")
     cache_dir: str | None = opt(factory=default_cache_dir, parse=cv.optional(cv.parse_str),
                                 help="directory keeping GGUF conversions for fast restarts ('' turns it off)")
     host: str = opt("127.0.0.1", parse=cv.parse_str, help="HTTP listen address")

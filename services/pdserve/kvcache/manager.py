@@ -323,7 +323,7 @@ class KvCacheManager:
         """The longest reusable prefix: its device blocks, then the keys of the host-tier blocks
         that continue it (a device block's parent is always on the device, so the device part
         comes first). The last prompt token is always left to compute."""
-        if not self.config.enable_block_reuse:
+        if not self.config.enable_block_reuse or not request.reuse_cached_prefix:
             return [], []
         max_blocks = (len(request.token_ids) - 1) // self.tokens_per_block
         matched: list[KvBlock] = []

@@ -14,7 +14,10 @@ class CacheRequest:
 
     `num_claim_tokens` is how many tokens the claim reserves blocks for (default: the whole prompt).
     `priorities` give retention priorities to prompt token ranges; `decode_priority` applies to blocks
-    filled by generated tokens. Validate with `validate()` before handing it to the manager.
+    filled by generated tokens. `reuse_cached_prefix` False computes the whole prompt even where
+    it is cached (its logits are wanted: prompt logprobs, as vLLM skips its prefix cache for
+    them); the blocks it fills are still published for others.
+    Validate with `validate()` before handing it to the manager.
     """
 
     request_id: RequestId
@@ -26,6 +29,7 @@ class CacheRequest:
     decode_priority: int = DEFAULT_RETENTION_PRIORITY
     decode_duration_s: float | None = None
     num_claim_tokens: int | None = None
+    reuse_cached_prefix: bool = True
     _hashes: list[BlockHash] = field(default_factory=list, repr=False)
     _hashes_tpb: int = 0
 

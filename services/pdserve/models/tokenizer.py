@@ -24,6 +24,7 @@ class Tokenizer:
         self._backend = backend
         self._spec = spec
         self._chat: ChatTemplate | None = None
+        self._added_ids: frozenset[int] | None = None
         if spec.chat_template is not None:
             self._chat = ChatTemplate(spec.chat_template, self._token(spec.bos_token_id), self._eos_token())
 
@@ -40,6 +41,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def added_token_ids(self) -> frozenset[int]:
+        """Ids of the tokens added to the vocabulary (special or not), as vLLM's detokenizer
+        tells them apart for `spaces_between_special_tokens`."""
+        if self._added_ids is None:
+            self._added_ids = frozenset(self._backend.get_added_tokens_decoder())
+        return self._added_ids
 
     @property
     def has_chat_template(self) -> bool:

@@ -92,8 +92,8 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
                      tool_calls=ToolCallConfig(settings.enable_auto_tool_choice, settings.tool_call_parser))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
-    _log.info("serving %s from %s, %s routing, on http://%s:%d",
-              settings.served_model_name or info.model_name, _describe_workers(settings, cluster),
+    names = settings.served_model_name or (info.model_name,)
+    _log.info("serving %s from %s, %s routing, on http://%s:%d", ", ".join(names), _describe_workers(settings, cluster),
               settings.routing_policy, settings.host, settings.port)
     _log.info("%s", _describe_access(api_keys, settings.protect_metrics))
     await uvicorn.Server(config).serve()

@@ -78,6 +78,8 @@ def sampling_to_proto(params: SamplingParams) -> rpb.SamplingParams:
         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, n=params.n,
         logprobs=params.logprobs, include_stop_str_in_output=params.include_stop_str_in_output,
         **_guide_to_proto(params.guide),
+        prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
     )
 
 
@@ -102,6 +104,10 @@ def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, n=msg.n,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         include_stop_str_in_output=msg.include_stop_str_in_output, guide=_guide_from_proto(msg),
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        skip_special_tokens=not msg.HasField("skip_special_tokens") or msg.skip_special_tokens,
+        spaces_between_special_tokens=(not msg.HasField("spaces_between_special_tokens")
+                                       or msg.spaces_between_special_tokens),
     )
 
 
@@ -162,6 +168,7 @@ def output_to_proto(output: RequestOutput) -> rpb.RequestOutput:
         finish_reason=_FINISH_TO_PROTO[output.finish_reason],
         num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
         error=output.error, prefilled_by=output.prefilled_by,
+        prompt_logprobs=[logprob_to_proto(lp) for lp in output.prompt_logprobs],
     )
 
 
@@ -177,6 +184,7 @@ def output_from_proto(msg: rpb.RequestOutput) -> RequestOutput:
         num_cached_tokens=msg.num_cached_tokens,
         error=msg.error if msg.HasField("error") else None,
         prefilled_by=msg.prefilled_by,
+        prompt_logprobs=tuple(logprob_from_proto(lp) for lp in msg.prompt_logprobs),
     )
 
 

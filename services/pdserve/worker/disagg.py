@@ -1,7 +1,8 @@
 """The decode worker's engine: prompts prefilled by a prefill worker, tokens decoded here.
 
     generate(request, prefill_worker)
-      local prefill when: no prefill worker, n > 1, few tokens missing from our own cache,
+      local prefill when: no prefill worker, n > 1, prompt logprobs asked for (they come from
+                          the prompt's logits), few tokens missing from our own cache,
                           the peer cannot be reached, or no blocks are free to reserve
       else: reserve blocks (two-phase claim; our cached prefix is reused)
             → the prefill worker computes the prompt and WRITEs only the blocks we lack
@@ -108,6 +109,8 @@ class DecodeEngine:
             return "no_prefill_worker"
         if request.sampling.n > 1:
             return "n_gt_1"
+        if request.sampling.prompt_logprobs is not None:  # computed from the prompt's logits, here
+            return "prompt_logprobs"
         return None
 
     async def _remote_prefill(self, peer: PrefillPeer, request: GenerationRequest, claim: ClaimResult) -> bool:

@@ -124,13 +124,23 @@ def test_vllm_save_result_flags_name_the_json_file(serve, tmp_path):
     assert json.loads((tmp_path / "run.json").read_text())["completed"] == 12
 
 
-def test_a_served_model_that_is_not_a_local_path_gets_a_tokenizer_note(serve, capsys):
+def test_a_served_model_that_is_not_a_local_path_needs_a_tokenizer_flag(serve, tokenizer_dir, capsys):
     server = serve()
     server.behavior.model_id = "org/some-remote-model"
-    assert main(["--base-url", server.base_url, *SMALL_RUN, "--num-prompts", "2"]) == 0
-    err = capsys.readouterr().err
-    assert err.startswith("pdserve bench: note: 'org/some-remote-model' is not a local path; counting tokens with ")
-    assert err.endswith(".gguf (--tokenizer chooses another)\n")
+    assert main(["--base-url", server.base_url, *SMALL_RUN, "--num-prompts", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "pdserve bench: error: --tokenizer=None: the served model 'org/some-remote-model' is not a local path; "
+        "pass --tokenizer PATH (its tokenizer), or --model PATH if the server serves it by path\n")
+    assert server.behavior.bodies == []  # stopped before sending anything
+    out = main(["--base-url", server.base_url, *SMALL_RUN, "--num-prompts", "2", "--tokenizer", tokenizer_dir])
+    assert out == 0 and len(server.behavior.bodies) == 2
+
+
+def test_the_bundled_model_under_its_own_name_uses_its_own_tokenizer() -> None:
+    from pdserve.bench.cli import _tokenizer_path
+    from pdserve.common.model_source import default_model_path, served_name
+
+    assert _tokenizer_path(None, served_name(default_model_path())) == default_model_path()
 
 
 def test_a_server_that_wants_a_key_gets_it_from_the_flag_or_the_environment(serve, monkeypatch, capsys):

@@ -32,6 +32,20 @@ def test_defaults_with_no_sources() -> None:
     assert settings.model_name == "SmolLM2-135M-Instruct.Q4_1"
 
 
+def test_served_model_names_default_to_the_model_as_given_and_take_vllms_spellings(tmp_path: Path) -> None:
+    assert WorkerSettings(model="/models/x").model_name == "/models/x"
+    assert WorkerSettings(model="org/x.gguf").model_name == "org/x.gguf"
+    spaced = resolve_router_settings(["--served-model-name", "a", "b", "--served-model-name", "c"], NO_ENV)
+    assert spaced.served_model_name == ("a", "b", "c")
+    assert resolve_router_settings([], {"PDSERVE_SERVED_MODEL_NAME": "a, b"}).served_model_name == ("a", "b")
+    config = write(tmp_path, "r.yaml", "served-model-name: [a, b]\n")
+    assert resolve_router_settings(["--config", config], NO_ENV).served_model_name == ("a", "b")
+    worker = resolve_worker_settings(["--model", "/models/x", "--served-model-name", "a", "b"], NO_ENV)
+    assert worker.model_name == "a"
+    with pytest.raises(ConfigError, match="non-empty"):
+        resolve_router_settings([], {"PDSERVE_SERVED_MODEL_NAME": "a,,b"})
+
+
 def test_flag_beats_env_beats_file_beats_default(tmp_path: Path) -> None:
     config = write(tmp_path, "w.yaml", "block-size: 32\nmax_num_seqs: 8\nmax-model-len: 512\n")
     env = {"PDSERVE_BLOCK_SIZE": "64", "PDSERVE_MAX_NUM_SEQS": "4"}
@@ -144,7 +158,7 @@ def test_to_argv_round_trips_against_a_hostile_environment(tmp_path: Path) -> No
                             enable_prefix_caching=False, kv_cache_memory=1 << 30, max_model_len=1024)
     env = {"PDSERVE_BLOCK_SIZE": "8", "PDSERVE_PORT": "1234", "PDSERVE_ENABLE_PREFIX_CACHING": "1"}
     assert resolve_worker_settings(to_argv(worker), env) == worker
-    router = RouterSettings(model="/m/x.gguf", workers=("a:1", "b:2"), served_model_name="x")
+    router = RouterSettings(model="/m/x.gguf", workers=("a:1", "b:2"), served_model_name=("x", "y"))
     assert resolve_router_settings(to_argv(router), NO_ENV) == router
 
 

@@ -110,3 +110,56 @@ def test_streaming_equals_one_shot_truncation(text, stops, cuts, include):
     sent += checker.flush()
     assert sent == expected
     assert checker.stopped == bool(found)
+
+
+def word_piece_tokenizer():
+    """A tokenizer whose decoder puts a space between tokens (WordPiece, as BERT's), with two
+    special tokens and one plain added token: where vLLM's special-token options show."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from pdserve.models.tokenizer import Tokenizer
+    from pdserve.models.tokenizer_files import TokenizerSpec
+
+    backend = Backend(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens(["<a>", "<b>"])  # ids 3, 4
+    backend.add_tokens(["<c>"])  # id 5
+    return Tokenizer(backend, TokenizerSpec(None, (), None))
+
+
+def detokenized(ids, per_step=1, **options):
+    tokenizer = word_piece_tokenizer()
+    detok = IncrementalDetokenizer(tokenizer, [1], added_token_ids=tokenizer.added_token_ids, **options)
+    return "".join(detok.add(ids[i:i + per_step]) for i in range(0, len(ids), per_step)) + detok.flush()
+
+
+def test_added_token_ids_are_every_added_token_special_or_not():
+    assert word_piece_tokenizer().added_token_ids == {3, 4, 5}
+
+
+def test_special_tokens_are_skipped_by_default_and_kept_on_request():
+    ids = [3, 1, 4, 5, 2]  # <a> hello <b> <c> world
+    assert detokenized(ids) == " hello <c> world"
+    assert detokenized(ids, skip_special_tokens=False) == " <a> hello <b> <c> world"
+
+
+def test_without_spaces_between_special_tokens_adjacent_added_tokens_are_joined_bare():
+    ids = [3, 4, 1, 4, 5, 3, 2]  # <a> <b> hello <b> <c> <a> world
+    for per_step in (1, 2, 7):
+        kept = detokenized(ids, per_step, skip_special_tokens=False)
+        joined = detokenized(ids, per_step, skip_special_tokens=False, spaces_between_special_tokens=False)
+        assert kept == " <a> <b> hello <b> <c> <a> world"
+        assert joined == " <a><b> hello <b><c><a> world"
+    # skipping special tokens makes the option moot, as in vLLM
+    assert detokenized(ids, skip_special_tokens=True, spaces_between_special_tokens=False) == detokenized(ids)
+
+
+def test_byte_level_tokenizers_read_the_same_either_way(smollm_tokenizer):
+    ids = smollm_tokenizer.encode("<|im_start|><|im_end|>hi<|im_end|>", add_special_tokens=False)
+    added = smollm_tokenizer.added_token_ids
+    texts = {spaces: "".join(
+        IncrementalDetokenizer(smollm_tokenizer, [], False, spaces, added).add([t]) for t in ids)
+        for spaces in (True, False)}
+    assert texts[True] == texts[False] == "<|im_start|><|im_end|>hi<|im_end|>"

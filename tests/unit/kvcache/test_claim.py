@@ -36,6 +36,20 @@ def test_full_prompt_hit_still_computes_the_last_token():
     m.check_integrity()
 
 
+def test_a_request_that_needs_its_prompt_computed_skips_the_cache_yet_publishes_its_blocks():
+    m = make_manager(num_blocks=8)
+    run_to_completion(m, make_request("a", range(10)))
+    b = make_request("b", range(10), reuse_cached_prefix=False)
+    assert m.analyze_prefix_reuse(b).num_cached_tokens == 0
+    claim = m.add_sequence(b)
+    assert claim.block_ids == (3, 4, 5) and claim.num_cached_tokens == 0  # cached blocks 0, 1 untouched
+    m.mark_computed(b.request_id, 10)
+    assert m.block_ids(b.request_id) == [0, 1, 5]  # same keys: the cached copies are shared, ours freed
+    m.free(b.request_id)
+    assert m.add_sequence(make_request("c", range(10))).num_cached_tokens == 8
+    m.check_integrity()
+
+
 def test_shared_prefix_is_owned_by_both_requests():
     m = make_manager(num_blocks=8)
     run_to_completion(m, make_request("warm", range(9)))

@@ -29,6 +29,7 @@ sampling = st.builds(
     stop_token_ids=st.lists(u32, max_size=3).map(tuple), ignore_eos=st.booleans(), n=u32,
     logprobs=st.none() | u32, include_stop_str_in_output=st.booleans(),
     guide=st.none() | st.builds(Guide, st.sampled_from(GuideKind), text),
+    prompt_logprobs=st.none() | u32, skip_special_tokens=st.booleans(), spaces_between_special_tokens=st.booleans(),
 )
 requests = st.builds(
     GenerationRequest,
@@ -47,6 +48,7 @@ outputs = st.builds(
     logprobs=st.lists(logprobs, max_size=2).map(tuple),
     finish_reason=st.sampled_from([None, "stop", "length", "abort", "error"]),
     num_prompt_tokens=u32, num_cached_tokens=u32, error=st.none() | text,
+    prompt_logprobs=st.lists(logprobs, max_size=2).map(tuple),
 )
 
 
@@ -67,6 +69,12 @@ def test_stats_and_info_round_trip() -> None:
     info = ModelInfo("m", 2048, 16, "sha256-v1", WorkerRole.PREFILL, 49152, (0, 2))
     assert convert.stats_from_proto(convert.stats_to_proto(stats)) == stats
     assert convert.info_from_proto(convert.info_to_proto(info)) == info
+
+
+def test_detokenization_flags_left_unset_by_an_older_router_mean_vllms_defaults() -> None:
+    params = convert.sampling_from_proto(request_pb2.SamplingParams(max_tokens=3))
+    assert (params.skip_special_tokens, params.spaces_between_special_tokens, params.prompt_logprobs) == (
+        True, True, None)
 
 
 def test_request_without_sampling_gets_sampling_defaults() -> None:

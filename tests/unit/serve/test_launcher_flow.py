@@ -103,7 +103,7 @@ def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> No
     lines = ready_banner(settings, 9200).splitlines()
     curl = shlex.split(lines[-1])
     assert lines[:-1] == [
-        "pdserve is ready at http://127.0.0.1:9000 (model tiny); Ctrl-C stops it.",
+        "pdserve is ready at http://127.0.0.1:9000 (model /m/tiny.gguf); Ctrl-C stops it.",
         "Topology:",
         "  router   http://127.0.0.1:9000  deployment shop-a",
         "  prefill  127.0.0.1:50051  metrics port 9100",
@@ -115,7 +115,7 @@ def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> No
     ]
     assert curl[:3] == ["curl", "-s", "http://127.0.0.1:9000/v1/completions"]
     body = json.loads(curl[curl.index("-d") + 1])
-    assert body == {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 16}
+    assert body == {"model": "/m/tiny.gguf", "prompt": "The capital of France is", "max_tokens": 16}
 
 
 def test_banner_of_one_aggregated_worker_leaves_threads_to_torch() -> None:

@@ -24,8 +24,17 @@ def test_serve_splits_flags_between_router_and_worker() -> None:
     assert (settings.router.port, worker.port, worker.host) == (9000, 6000, "127.0.0.1")
     assert settings.router.workers == ("127.0.0.1:6000",)
     assert (settings.router.model, worker.model) == ("/m/tiny.gguf", "/m/tiny.gguf")
-    assert (settings.router.served_model_name, worker.model_name) == ("tiny", "tiny")
+    assert (settings.router.served_model_name, worker.model_name) == (("tiny",), "tiny")
     assert (worker.block_size, settings.startup_timeout_s) == (32, 20.0)
+
+
+def test_the_model_is_served_under_its_path_as_given_or_under_several_names_as_vllm_does() -> None:
+    as_given = resolve_serve_settings(["--model", "/models/x", "--workers", "1"], NO_ENV)
+    assert [w.model_name for w in as_given.workers] == ["/models/x"]
+    assert as_given.router.served_model_name == ()  # the router takes its workers' name
+    named = resolve_serve_settings(["--model", "/models/x", "--served-model-name", "a", "b"], NO_ENV)
+    assert named.router.served_model_name == ("a", "b")
+    assert {w.model_name for w in named.workers} == {"a"}
 
 
 def test_prefill_and_decode_workers_take_consecutive_ports_prefill_first() -> None:

@@ -1,6 +1,7 @@
 """Streamed text: token ids in, text deltas out, stop strings honoured.
 
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens,
+                                   params.spaces_between_special_tokens, tokenizer.added_token_ids)
     stops = StopChecker(params.stop, params.include_stop_str_in_output)
     each step:   piece = stops.feed(detok.add(new_ids)); send piece.text; finish if piece.stopped
     at the end:  send stops.feed(detok.flush()).text + stops.flush()
@@ -31,11 +32,20 @@ class IncrementalDetokenizer:
 
     While the window's text ends in U+FFFD the last token ends mid-character: hold it back
     until the next token completes it. `flush()` gives up what is still held.
+
+    vLLM's special-token options: `skip_special_tokens` leaves special tokens out of the text;
+    with it off, `spaces_between_special_tokens=False` writes an added token that follows
+    another added token as its bare text, never with the separator the tokenizer's decoder
+    would put between them (a WordPiece or Metaspace decoder's space; byte-level decoders put
+    none, so for them the two settings give the same text). `added_token_ids` names them.
     """
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, added_token_ids: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        joins_added = not (skip_special_tokens or spaces_between_special_tokens)
+        self._added_ids = added_token_ids if joins_added else frozenset()
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix = 0
         self._read = len(self._ids)
@@ -58,7 +68,13 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text):]
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+        """The text of ids[start:end], cut before each added token that follows another and
+        decoded piece by piece, so no separator goes between the two."""
+        ids = self._ids[start:end]
+        cuts = [i for i in range(1, len(ids)) if ids[i] in self._added_ids and ids[i - 1] in self._added_ids]
+        bounds = [0, *cuts, len(ids)]
+        return "".join(self._tokenizer.decode(ids[a:b], skip_special_tokens=self._skip_special)
+                       for a, b in zip(bounds, bounds[1:]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,14 +19,15 @@ from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
 from pdserve.engine.core.handoff import Handoffs
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from pdserve.common.ids import BlockId, RequestId
-from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.common.request import GenerationRequest, RequestOutput, TokenLogprob
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.guided import GuideCompiler, GuideMatcher
 from pdserve.engine.model.host_store import TierStore
-from pdserve.engine.model.sampler import Sampler, SamplingRow, check_sampling_params, make_generator
+from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
+from pdserve.engine.model.sampler import MAX_LOGPROBS, Sampler, SamplingRow, check_sampling_params, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
-from pdserve.engine.core.stopping import finish_reason_after
+from pdserve.engine.core.stopping import finish_reason_after, is_stop_token
 from pdserve.kvcache import ClaimResult, KvCacheManager
 
 # Request ids never contain these: the engine derives its KV sequence ids from a request id with
@@ -104,6 +105,8 @@ class LLMEngine:
         result = self.runner.forward(batch)
         sampled_rows: list[tuple[Sequence, object]] = []
         for chunk, seq_chunk, logits in zip(chunks, batch.chunks, result.logits):
+            if seq_chunk.all_logits:
+                self._record_prompt_logprobs(chunk.seq, seq_chunk, logits)
             self.kv.mark_computed(chunk.seq.seq_id, chunk.num_tokens)
             chunk.seq.num_computed_tokens += chunk.num_tokens
             if seq_chunk.needs_logits:
@@ -225,6 +228,9 @@ class LLMEngine:
         if not 1 <= request.sampling.n <= self.config.max_num_seqs:
             raise InvalidRequestError(f"n={request.sampling.n}: must be in 1..{self.config.max_num_seqs}", "n")
         check_sampling_params(request.sampling)  # here, not first in a step that samples it with others
+        num_top = request.sampling.prompt_logprobs
+        if num_top is not None and not 0 <= num_top <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs={num_top!r} must be in 0..{MAX_LOGPROBS}", "prompt_logprobs")
 
     def _check_id_free(self, request_id: RequestId) -> None:
         """InvalidRequestError for an id with a reserved mark; DuplicateRequestError while it names
@@ -244,8 +250,7 @@ class LLMEngine:
         sampling = request.sampling
         generator = None if sampling.seed is None else make_generator(sampling.seed, index, self.runner.device)
         return Sequence(
-            seq_id, request, index, token_ids,
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            seq_id, request, index, token_ids, self._detokenizer(request),
             StopChecker(sampling.stop, sampling.include_stop_str_in_output),
             next(self._arrivals), generator, self._guide_matcher(request),
         )
@@ -260,12 +265,31 @@ class LLMEngine:
             self._guides = GuideCompiler(self.tokenizer.to_json(), self.vocab_size, self.tokenizer.eos_token_ids)
         return self._guides.matcher(guide)
 
+    def _detokenizer(self, request: GenerationRequest) -> IncrementalDetokenizer:
+        sampling = request.sampling
+        joins_added = not (sampling.skip_special_tokens or sampling.spaces_between_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, sampling.skip_special_tokens,
+                                      sampling.spaces_between_special_tokens,
+                                      self.tokenizer.added_token_ids if joins_added else frozenset())
+
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         seq = chunk.seq
         start = seq.num_computed_tokens
         end = start + chunk.num_tokens
         return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:end]), start,
-                        tuple(self.kv.block_ids(seq.seq_id)), needs_logits=end == len(seq.token_ids))
+                        tuple(self.kv.block_ids(seq.seq_id)), needs_logits=end == len(seq.token_ids),
+                        all_logits=seq.wants_prompt_logprobs)
+
+    def _record_prompt_logprobs(self, seq: Sequence, chunk: SeqChunk, logits: torch.Tensor) -> None:
+        """Keep the logprobs of the prompt tokens this chunk's rows predict:
+        row i, at position start + i, predicts prompt token start + i + 1."""
+        num_rows = min(len(chunk.token_ids), seq.num_prompt_tokens - 1 - chunk.start_pos)
+        if num_rows <= 0:
+            return
+        first = chunk.start_pos + 1
+        next_ids = seq.token_ids[first:first + num_rows]
+        entries = prompt_token_logprobs(logits[:num_rows], next_ids, seq.request.sampling.prompt_logprobs or 0)
+        seq.prompt_logprobs.update(zip(range(first, first + num_rows), entries))
 
     def _siblings_to_sample(self, seq: Sequence) -> list[Sequence]:
         """`seq`, plus its n-1 siblings forked off it when its prompt has just been computed."""
@@ -275,6 +299,7 @@ class LLMEngine:
         forked = [seq]
         for index in range(1, seq.request.sampling.n):
             child = self._new_sequence(seq.request, index, list(seq.token_ids))
+            child.prompt_logprobs = seq.prompt_logprobs
             family.append(child)
             try:
                 _, copy = self.kv.fork(seq.seq_id, child.seq_id)
@@ -303,7 +328,9 @@ class LLMEngine:
     def _advance(self, seq: Sequence, token_id: int, logprob) -> RequestOutput:
         seq.token_ids.append(token_id)
         self.kv.append_tokens(seq.seq_id, [token_id])
-        piece = seq.stops.feed(seq.detokenizer.add([token_id]))
+        sampling = seq.request.sampling
+        is_text = sampling.include_stop_str_in_output or not is_stop_token(seq, token_id, self.eos_token_ids)
+        piece = seq.stops.feed(seq.detokenizer.add([token_id]) if is_text else "")
         reason = "stop" if piece.stopped else finish_reason_after(seq, token_id, self.eos_token_ids, self.config.max_model_len)
         guide_error = self._advance_guide(seq, token_id)
         if guide_error is not None:
@@ -318,7 +345,11 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq)
         output = self._output(seq, (token_id,), text, reason, (logprob,) if logprob is not None else ())
-        return output if guide_error is None else replace(output, error=guide_error)
+        if guide_error is not None:
+            output = replace(output, error=guide_error)
+        if seq.num_output_tokens == 1 and sampling.prompt_logprobs is not None:
+            output = replace(output, prompt_logprobs=self._prompt_logprobs(seq))
+        return output
 
     @staticmethod
     def _advance_guide(seq: Sequence, token_id: int) -> str | None:
@@ -329,6 +360,14 @@ class LLMEngine:
         seq.guide.accept(token_id)
         error = seq.guide.error
         return None if error is None else f"token {token_id} is outside the output's guide: {error}"
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> tuple[TokenLogprob, ...]:
+        """The prompt's logprobs, tokens 1.. in order; () where they were not computed here (a
+        prompt a peer prefilled: the decode worker keeps such requests local, so never in practice)."""
+        known = seq.prompt_logprobs
+        positions = range(1, seq.num_prompt_tokens)
+        return tuple(known[p] for p in positions) if all(p in known for p in positions) else ()
 
     def _finish(self, seq: Sequence) -> None:
         if seq.prefill_only:

@@ -4,11 +4,11 @@ A request with `n` completions becomes `n` sequences; they share the prompt's bl
 (the first is forked after its prefill).
 """
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
 from pdserve.common.ids import RequestId
-from pdserve.common.request import GenerationRequest
+from pdserve.common.request import GenerationRequest, TokenLogprob
 from pdserve.kvcache import CacheRequest
 
 
@@ -40,6 +40,9 @@ class Sequence:
     hold_lease_s: float = 30.0  # how long HELD blocks wait for the peer
     lease_deadline: float | None = None  # REMOTE_PREFILL / HELD blocks are freed after this
     aborted: bool = False
+    # Prompt logprobs by prompt position (1..), filled chunk by chunk while the prompt is computed;
+    # siblings forked after the prefill share the first sequence's.
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -58,7 +61,15 @@ class Sequence:
         return self.num_output_tokens == 0
 
     def cache_request(self, num_claim_tokens: int | None = None) -> CacheRequest:
-        """The KV cache's view of this sequence (its whole token list, for recompute after preemption)."""
+        """The KV cache's view of this sequence (its whole token list, for recompute after preemption).
+        A prompt whose logprobs are wanted is computed whole, never taken from the cache."""
         r = self.request
         return CacheRequest(self.seq_id, list(self.token_ids), r.lora_id, r.cache_salt, r.multimodal,
-                            r.priorities, num_claim_tokens=num_claim_tokens)
+                            r.priorities, num_claim_tokens=num_claim_tokens,
+                            reuse_cached_prefix=not self.wants_prompt_logprobs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and are not all known yet (the prompt is still to compute)."""
+        return (self.request.sampling.prompt_logprobs is not None and self.is_prefilling
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)

@@ -2,6 +2,14 @@
 from pdserve.engine.core.sequence import Sequence
 
 
+def is_stop_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+    """The token ends the sequence as EOS (unless ignored) or as one of its stop token ids. Its
+    text is left out of the output unless `include_stop_str_in_output`, as vLLM does; visible
+    only with `skip_special_tokens` off, or for a stop token id that is an ordinary token."""
+    sampling = seq.request.sampling
+    return token_id in sampling.stop_token_ids or (token_id in eos_token_ids and not sampling.ignore_eos)
+
+
 def finish_reason_after(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
     """"stop" for EOS or a stop token id, "length" at max_tokens or the context limit, else None."""
     sampling = seq.request.sampling

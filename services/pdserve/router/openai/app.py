@@ -1,7 +1,8 @@
 """The router's FastAPI app: OpenAI-compatible routes over one `GenerateBackend`.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /metrics`,
-`GET /openapi.json` (request bodies described from their models, `openapi.py`), and
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (every served
+name), vLLM's `POST /tokenize`, `POST /detokenize` and `GET /version` (`tokenization/`),
+`GET /metrics`, `GET /openapi.json` (request bodies described from their models, `openapi.py`), and
 health: `GET /health/live` (liveness: 200 while the router answers HTTP), `GET /health/ready`
 (readiness: 200 while a decode-capable worker is in rotation, else 503 naming why) and `GET /health`
 (as readiness, vLLM's name). With API keys, every `/v1/` route (and `/metrics` when
@@ -15,7 +16,7 @@ order) and the routing backend's session header, if configured, pins a session t
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import MappingProxyType
 
@@ -39,17 +40,21 @@ from pdserve.router.openai.logprobs import LogprobFormatter
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.router.openai.openapi import describe_request_bodies, request_body
 from pdserve.router.openai.prompts import PromptTokenizer
-from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                            TokenizeRequest)
 from pdserve.router.openai.responses import ModelCard, ModelList
 from pdserve.router.openai.serving import ApiLimits, ClientGone, ServingContext, new_response_id
 from pdserve.router.openai.structured.tools import ToolCallConfig
+from pdserve.router.openai.tokenization.routes import detokenize, pdserve_version, tokenize
 
 STATS_TIMEOUT_S = 5.0
 MAX_REQUEST_ID_CHARS = 256
 ROUTE_HEADER = "X-Pdserve-Route"
 _STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, metrics count it
 _GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
-_ROUTES = _GENERATION_ROUTES | {"/v1/models", "/health", "/health/live", "/health/ready", "/metrics"}
+_TOKENIZER_ROUTES = frozenset({"/tokenize", "/detokenize"})
+_ROUTES = _GENERATION_ROUTES | _TOKENIZER_ROUTES | {"/v1/models", "/version", "/health", "/health/live",
+                                                   "/health/ready", "/metrics"}
 _log = logging.getLogger(__name__)
 Handler = Callable[[Request, ServingContext, str], Awaitable[Response]]
 
@@ -58,7 +63,7 @@ def create_app(
     backend: GenerateBackend,
     tokenizer: PromptTokenizer,
     info: ModelInfo,
-    model_name: str | None = None,
+    model_names: Sequence[str] = (),
     limits: ApiLimits = ApiLimits(),
     routing: Routing | None = None,
     api_keys: ApiKeys | None = None,
@@ -66,13 +71,14 @@ def create_app(
     sampling_defaults: Mapping[str, float | int] | None = None,
     tool_calls: ToolCallConfig = ToolCallConfig(),
 ) -> FastAPI:
-    """An app serving `info`'s model (under `model_name` if given); it closes `backend` on shutdown.
+    """An app serving `info`'s model (under `model_names` if given, the first reported in responses);
+    it closes `backend` on shutdown.
     `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself).
     `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too.
     `sampling_defaults`: the model's, for fields a request leaves unset (`sampling.checked_defaults`).
     `tool_calls`: whether `tool_choice: "auto"` is served, and how tool calls are read back."""
-    ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics(),
-                         LogprobFormatter(tokenizer), tool_calls=tool_calls,
+    ctx = ServingContext(backend, tokenizer, info, tuple(model_names) or (info.model_name,), limits,
+                         RouterMetrics(), LogprobFormatter(tokenizer), tool_calls=tool_calls,
                          sampling_defaults=MappingProxyType(dict(sampling_defaults or {})))
     if routing is not None:
         ctx.metrics.registry.register(routing.metrics_collector())
@@ -93,8 +99,9 @@ def create_app(
         app.add_middleware(RequireApiKey, keys=api_keys, also={"/metrics"} if protect_metrics else ())
     app.add_middleware(_CountRequests, metrics=ctx.metrics)  # the outer one: refusals are counted too
     _add_generation_routes(app, ctx, routing)
+    _add_tokenizer_routes(app, ctx)
     _add_status_routes(app, ctx)
-    describe_request_bodies(app, (CompletionRequest, ChatCompletionRequest))
+    describe_request_bodies(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
     return app
 
 
@@ -108,11 +115,25 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, routing: Routing |
         return await _answer(request, ctx, routing, create_chat_completion, "chatcmpl")
 
 
+def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+    async def tokenize_route(request: Request) -> Response:
+        return await _answer_plain(request, ctx, tokenize)
+
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> Response:
+        return await _answer_plain(request, ctx, detokenize)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": pdserve_version()})
+
+
 def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(id=ctx.model_name, max_model_len=ctx.info.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=name, max_model_len=ctx.info.max_model_len) for name in ctx.model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/health/live")
     async def live() -> Response:
@@ -155,6 +176,15 @@ async def _answer(request: Request, ctx: ServingContext, routing: Routing | None
     if routing is not None and (route := _describe_routes(routing, response_id)):
         response.headers[ROUTE_HEADER] = route
     return response
+
+
+async def _answer_plain(request: Request, ctx: ServingContext,
+                        handler: Callable[[Request, ServingContext], Awaitable[Response]]) -> Response:
+    """Run a route that calls no worker; any failure becomes the envelope."""
+    try:
+        return await handler(request, ctx)
+    except Exception as exc:  # every failure answers with the envelope, never a bare 500
+        return from_exception(exc).to_response()
 
 
 def _is_header_value_ok(value: str) -> bool:

@@ -31,6 +31,8 @@ _MODELS: tuple[type[BaseModel], ...] = (
     protocol.NamedFunction,
     protocol.ToolCallBody,
     protocol.FunctionCallBody,
+    protocol.TokenizeRequest,
+    protocol.DetokenizeRequest,
 )
 _FIELD_NAMES = frozenset(field.alias or name for model in _MODELS for name, field in model.model_fields.items())
 

@@ -1,18 +1,24 @@
 """`POST /v1/completions`: one backend request per prompt, `n` choices each.
 
 Choice `i` of prompt `p` is answered as choice index `p * n + i`, as OpenAI and vLLM do.
+`echo` puts the prompt before each choice's text (streamed: in its first chunk), and with
+`logprobs` the prompt tokens' logprobs before the generated ones' (the worker computes them
+from the prompt's own logits). `max_tokens: 0` with `echo` answers the prompt alone, as vLLM
+does: the worker generates one token, which is left out of text, logprobs and usage.
 """
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from pdserve.common.request import RequestOutput
 
 from pdserve.router.openai.body import parse_body, read_body
 from pdserve.router.openai.structured.guided import guide_of
 from pdserve.router.openai.logprobs import LogprobFormatter
 from pdserve.router.openai.metrics import RequestTimer
-from pdserve.router.openai.prompts import completion_prompts
+from pdserve.router.openai.prompts import Prompt, completion_prompts
 from pdserve.router.openai.protocol import CompletionRequest
 from pdserve.router.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from pdserve.router.openai.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_completion_supported, with_defaults
@@ -46,24 +52,44 @@ class _Completion:
     usage: UsageCounter
     timer: RequestTimer
     formatter: LogprobFormatter
+    prompts: Sequence[Prompt]
     choices: dict[int, _Choice] = field(default_factory=dict)
 
     def add(self, event: Event) -> CompletionChoice:
         """Record one output; returns it as a choice delta (text and logprobs of this step)."""
         prompt_index, output = event
+        if self.body.max_tokens == 0:  # the prompt alone: the token generated for it is dropped
+            output = replace(output, token_ids=(), text="", logprobs=())
         index = prompt_index * self.body.n + output.index
         self.usage.add(prompt_index, output)
         self.timer.on_output(index, output)
+        is_first = index not in self.choices
         choice = self.choices.setdefault(index, _Choice())
-        choice.text.append(output.text)
+        text, logprobs = self._echo(prompt_index, output, choice) if is_first and self.body.echo else ("", None)
+        text += output.text
+        choice.text.append(text)
         choice.finish_reason = output.finish_reason
-        logprobs = None
         if self.body.logprobs is not None:
-            logprobs, choice.text_offset = self.formatter.completion(
+            step, choice.text_offset = self.formatter.completion(
                 output.logprobs, self.body.logprobs, choice.text_offset
             )
+            logprobs = step if logprobs is None else _extend(logprobs, step)
             choice.logprobs = _extend(choice.logprobs, logprobs)
-        return CompletionChoice(index=index, text=output.text, logprobs=logprobs, finish_reason=output.finish_reason)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason)
+
+    def _echo(self, prompt_index: int, output: RequestOutput, choice: _Choice) -> tuple[str, CompletionLogprobs | None]:
+        """The prompt's text as the client wrote it (token ids: decoded, special tokens kept, as
+        vLLM does), and with `logprobs` its tokens' entries."""
+        prompt = self.prompts[prompt_index]
+        text = prompt.text
+        if text is None:
+            text = self.ctx.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+        if self.body.logprobs is None:
+            return text, None
+        logprobs, choice.text_offset = self.formatter.echoed_prompt(
+            prompt.token_ids, output.prompt_logprobs, self.body.logprobs
+        )
+        return text, logprobs
 
     def response(self) -> CompletionResponse:
         choices = [
@@ -92,10 +118,11 @@ async def create_completion(request: Request, ctx: ServingContext, response_id: 
     check_completion_supported(body)
     info = ctx.info
     prompts = completion_prompts(body, ctx.tokenizer, info.vocab_size, info.max_model_len)
-    max_tokens = MaxTokens(body.max_tokens, ctx.default_max_tokens(DEFAULT_COMPLETION_MAX_TOKENS), "max_tokens")
+    requested = 1 if body.max_tokens == 0 else body.max_tokens  # 0: echo alone, see `_Completion.add`
+    max_tokens = MaxTokens(requested, ctx.default_max_tokens(DEFAULT_COMPLETION_MAX_TOKENS), "max_tokens")
     requests = generation_requests(ctx, body, prompts, response_id, max_tokens, body.logprobs, guide_of(body))
     state = _Completion(
-        ctx, body, response_id, UsageCounter(prompts), RequestTimer(ctx.metrics), ctx.logprobs
+        ctx, body, response_id, UsageCounter(prompts), RequestTimer(ctx.metrics), ctx.logprobs, prompts
     )
     if body.stream:
         keepalive_s = ctx.limits.keepalive_interval_s

@@ -1,7 +1,8 @@
 """Worker logprobs (token ids) in the two OpenAI formats (token strings).
 
 Completions: parallel lists `tokens`, `token_logprobs`, `top_logprobs` (a dict that also holds
-the sampled token, as vLLM does) and `text_offset` (each token's start in the choice's text).
+the sampled token, as vLLM does) and `text_offset` (each token's start in the choice's text);
+with `echo`, the prompt's tokens come first, the very first with null logprobs.
 Chat: `content[]` entries with `token`, `logprob`, `bytes` and `top_logprobs[]` (top-N only).
 A logprob of -inf (a token the sampler could not pick) is written as -9999.0, since JSON has
 no infinities.
@@ -43,6 +44,20 @@ class LogprobFormatter:
             out.top_logprobs.append(top)
             out.text_offset.append(text_offset)
             text_offset += len(token)
+        return out, text_offset
+
+    def echoed_prompt(
+        self, prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprob], num_top: int
+    ) -> tuple[CompletionLogprobs, int]:
+        """An echoed prompt's entries, its text starting at offset 0: the first token without a
+        logprob (nothing precedes it), then `logprobs` (prompt tokens 1..); the offset after it."""
+        first = self.token_text(prompt_ids[0])
+        out = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+        rest, text_offset = self.completion(logprobs, num_top, len(first))
+        out.tokens += rest.tokens
+        out.token_logprobs += rest.token_logprobs
+        out.top_logprobs += rest.top_logprobs
+        out.text_offset += rest.text_offset
         return out, text_offset
 
     def chat(self, logprobs: Sequence[TokenLogprob], num_top: int) -> list[ChatTokenLogprob]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.router.openai.errors import bad_request
-from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.router.openai.sampling import check_token_ids
 from pdserve.router.openai.structured.tools import template_messages
 
@@ -20,6 +20,8 @@ class PromptTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
@@ -32,6 +34,7 @@ class Prompt:
 
     token_ids: tuple[int, ...]
     param: str
+    text: str | None = None  # as the client wrote it (None: given as token ids); `echo` repeats it
 
 
 def completion_prompts(
@@ -55,7 +58,8 @@ def completion_prompts(
         else:
             check_token_ids(item, vocab_size, param)
             token_ids = item
-        prompts.append(checked_prompt(token_ids, param, max_model_len))
+        prompt = checked_prompt(token_ids, param, max_model_len)
+        prompts.append(Prompt(prompt.token_ids, param, item) if isinstance(item, str) else prompt)
     return prompts
 
 
@@ -65,10 +69,16 @@ def chat_prompt(
 ) -> Prompt:
     """The rendered chat's token ids (`tools` shown to the template as its `tools`). A template
     that rejects the chat raises a 400 on `messages`."""
-    messages = template_messages(body.messages)
-    extra = {} if tools is None else {"tools": tools}
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **extra)
+    text = render_chat(tokenizer, body.messages, body.add_generation_prompt, tools)
     return checked_prompt(tokenizer.encode(text, add_special_tokens=False), "messages", max_model_len)
+
+
+def render_chat(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat's text under the model's template (`/tokenize` renders it the same way)."""
+    extra = {} if tools is None else {"tools": tools}
+    return tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                         **extra)
 
 
 def checked_prompt(token_ids: Sequence[int], param: str, max_model_len: int) -> Prompt:

@@ -131,13 +131,15 @@ class SamplingBody(StrictModel):
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None  # llguidance's Lark
     structured_outputs: StructuredOutputs | None = None
+    # ---- detokenization (vLLM's extensions; `skip_special_tokens` above) ----
+    spaces_between_special_tokens: bool = True
 
 
 class CompletionRequest(SamplingBody):
     """`prompt`: a string, a list of token ids, or a batch (list of strings / of token-id lists)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)  # None: 16, capped to the context left
+    max_tokens: int | None = Field(None, ge=0)  # None: 16, capped to the context left; 0: echo the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -207,3 +209,27 @@ class ChatCompletionRequest(SamplingBody):
     tools: list[ToolBody] | None = Field(None, max_length=128)
     tool_choice: ToolChoiceBody | None = None
     parallel_tool_calls: bool = True
+
+
+# ---- vLLM's tokenizer routes (`tokenization/`) ------------------------------------------------
+
+class TokenizeRequest(StrictModel):
+    """vLLM's `TokenizeCompletionRequest` (`prompt`) or `TokenizeChatRequest` (`messages`)."""
+
+    model: str | None = Field(None, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for a chat (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = Field(None, max_length=256)
+    tokens: list[int]

@@ -21,11 +21,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Completions' logprobs: parallel lists, one entry per generated token."""
+    """Completions' logprobs: parallel lists, one entry per token (an echoed prompt's first
+    token has no logprob: None, as OpenAI and vLLM write it)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

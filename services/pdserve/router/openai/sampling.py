@@ -59,7 +59,6 @@ def check_supported(body: SamplingBody) -> None:
         "repetition_penalty": body.repetition_penalty not in (None, 1.0),
         "logit_bias": bool(body.logit_bias),
         "min_tokens": body.min_tokens != 0,
-        "skip_special_tokens": not body.skip_special_tokens,
         "lora_id": body.lora_id is not None,
     }
     for field, is_set in unsupported.items():
@@ -73,8 +72,9 @@ def check_supported(body: SamplingBody) -> None:
 
 def check_completion_supported(body: CompletionRequest) -> None:
     check_supported(body)
-    if body.echo:
-        raise bad_request("'echo' is not supported by this server", "echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("'max_tokens' may be 0 only with 'echo' (the prompt alone, as vLLM answers it)",
+                          "max_tokens")
     if body.suffix is not None:
         raise bad_request("'suffix' is not supported by this server", "suffix")
 
@@ -143,7 +143,17 @@ def sampling_params(
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
         guide=guide,
+        prompt_logprobs=prompt_logprobs(body),
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
     )
+
+
+def prompt_logprobs(body: SamplingBody) -> int | None:
+    """Top-N logprobs of the prompt's tokens: a completion echoing its prompt with `logprobs`."""
+    if isinstance(body, CompletionRequest) and body.echo:
+        return body.logprobs
+    return None
 
 
 def priority_ranges(body: SamplingBody, num_prompt_tokens: int) -> tuple[PriorityRange, ...]:

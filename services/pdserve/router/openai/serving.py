@@ -45,7 +45,7 @@ class ServingContext:
     backend: GenerateBackend
     tokenizer: PromptTokenizer
     info: ModelInfo
-    model_name: str
+    model_names: tuple[str, ...]  # every name a request may use; responses report the first
     limits: ApiLimits
     metrics: RouterMetrics
     logprobs: LogprobFormatter  # shared, so its token-text cache serves every request
@@ -53,10 +53,15 @@ class ServingContext:
     tool_calls: ToolCallConfig = ToolCallConfig()
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)  # the model's (sampling.with_defaults)
 
+    @property
+    def model_name(self) -> str:
+        """The name responses report (vLLM's: the first served name)."""
+        return self.model_names[0]
+
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise ApiError(404, f"the model '{requested}' does not exist; this server serves "
-                                f"'{self.model_name}'", "model")
+        if requested is not None and requested not in self.model_names:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
+            raise ApiError(404, f"the model '{requested}' does not exist; this server serves {served}", "model")
 
     def default_max_tokens(self, api_default: int | None) -> int | None:
         """Tokens to generate when a request names no bound: the model's default, else the API's

@@ -19,3 +19,14 @@ def test_chat_format_lists_top_n_with_bytes(tokenizer: Tokenizer) -> None:
     (entry,) = LogprobFormatter(tokenizer).chat([TokenLogprob(red, -0.5, ((cat, -0.25), (red, -0.5)))], num_top=1)
     assert entry == ChatTokenLogprob(token=" red", logprob=-0.5, bytes=[32, 114, 101, 100],
                                      top_logprobs=[TopLogprob(token=" cat", logprob=-0.25, bytes=[32, 99, 97, 116])])
+
+
+def test_an_echoed_prompt_starts_at_offset_0_with_a_null_first_entry(tokenizer: Tokenizer) -> None:
+    the, red, cat = (tokenizer.encode(word)[0] for word in ("The", " red", " cat"))
+    entries = [TokenLogprob(red, -3.0, ((cat, -1.0), (red, -3.0))), TokenLogprob(cat, -0.5, ((cat, -0.5),))]
+    out, offset = LogprobFormatter(tokenizer).echoed_prompt([the, red, cat], entries, num_top=1)
+    assert out == CompletionLogprobs(
+        tokens=["The", " red", " cat"], token_logprobs=[None, -3.0, -0.5],
+        top_logprobs=[None, {" cat": -1.0, " red": -3.0}, {" cat": -0.5}], text_offset=[0, 3, 7])
+    assert offset == 11
+    assert out.model_dump()["token_logprobs"][0] is None  # JSON null, as OpenAI writes it

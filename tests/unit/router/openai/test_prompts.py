@@ -14,10 +14,10 @@ def prompts(tokenizer: Tokenizer, prompt: object, max_model_len: int = 64) -> li
 
 def test_each_prompt_form(tokenizer: Tokenizer) -> None:
     hello = tuple(tokenizer.encode("Hello world"))
-    assert prompts(tokenizer, "Hello world") == [Prompt(hello, "prompt")]
+    assert prompts(tokenizer, "Hello world") == [Prompt(hello, "prompt", "Hello world")]
     assert prompts(tokenizer, [5, 6]) == [Prompt((5, 6), "prompt")]
     assert prompts(tokenizer, ["Hello world", "Hi"]) == [
-        Prompt(hello, "prompt[0]"), Prompt(tuple(tokenizer.encode("Hi")), "prompt[1]")]
+        Prompt(hello, "prompt[0]", "Hello world"), Prompt(tuple(tokenizer.encode("Hi")), "prompt[1]", "Hi")]
     assert prompts(tokenizer, [[5], [6, 7]]) == [Prompt((5,), "prompt[0]"), Prompt((6, 7), "prompt[1]")]
 
 

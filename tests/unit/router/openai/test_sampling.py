@@ -72,8 +72,8 @@ def test_overlapping_priority_ranges_are_refused() -> None:
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"min_tokens": 2}, "min_tokens"),
-    ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"best_of": 3}, "best_of"),
+    ({"max_tokens": 0}, "max_tokens"),  # without echo: nothing to answer
     ({"suffix": "x"}, "suffix"),
 ])
 def test_unimplemented_completion_fields_are_refused(fields: dict[str, object], param: str) -> None:
@@ -82,3 +82,16 @@ def test_unimplemented_completion_fields_are_refused(fields: dict[str, object], 
 
 def test_neutral_values_of_unimplemented_fields_pass() -> None:
     check_completion_supported(completion(repetition_penalty=1.0, best_of=1, logit_bias={}, min_tokens=0))
+
+
+def test_echo_with_logprobs_asks_the_worker_for_prompt_logprobs_and_detokenization_options_pass_on() -> None:
+    body = completion(echo=True, logprobs=2, max_tokens=0, skip_special_tokens=False,
+                      spaces_between_special_tokens=False)
+    check_completion_supported(body)
+    params = sampling_params(body, 1, body.logprobs, 100)
+    assert (params.prompt_logprobs, params.logprobs, params.max_tokens) == (2, 2, 1)
+    assert (params.skip_special_tokens, params.spaces_between_special_tokens) == (False, False)
+    assert sampling_params(completion(logprobs=2), 1, 2, 100).prompt_logprobs is None  # no echo
+    assert sampling_params(completion(echo=True), 1, None, 100).prompt_logprobs is None  # no logprobs
+    defaults = sampling_params(completion(), 1, None, 100)
+    assert (defaults.skip_special_tokens, defaults.spaces_between_special_tokens) == (True, True)

@@ -1,0 +1,1 @@
+"""vLLM's routes around the generation API: `/tokenize`, `/detokenize`, `/version` (`routes`)."""

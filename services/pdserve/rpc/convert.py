@@ -68,6 +68,19 @@ def sampling_to_proto(params: SamplingParams) -> rpb.SamplingParams:
         top_k=params.top_k, seed=params.seed, stop=params.stop,
         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, n=params.n,
         logprobs=params.logprobs, include_stop_str_in_output=params.include_stop_str_in_output,
+        **_processors_to_proto(params),
+    )
+
+
+def _processors_to_proto(params: SamplingParams) -> dict[str, object]:
+    """The logits processors' fields (20..29) of `rpb.SamplingParams`."""
+    return dict(
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
+        logit_bias=[_checked(rpb.SamplingParams.TokenBias, "logit_bias", token_id=t, bias=b)
+                    for t, b in params.logit_bias],
+        bad_words=[_checked(rpb.SamplingParams.TokenSequence, "bad_words", token_ids=word)
+                   for word in params.bad_words],
     )
 
 
@@ -78,6 +91,10 @@ def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, n=msg.n,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple((b.token_id, b.bias) for b in msg.logit_bias), min_tokens=msg.min_tokens,
+        bad_words=tuple(tuple(word.token_ids) for word in msg.bad_words),
     )
 
 

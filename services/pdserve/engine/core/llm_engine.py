@@ -15,13 +15,14 @@ from dataclasses import replace
 
 import torch
 
-from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker, StopPiece
 from pdserve.engine.core.handoff import Handoffs
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.host_store import TierStore
+from pdserve.engine.model.logits_processors import TokenHistory, check_processor_params
 from pdserve.engine.model.sampler import Sampler, SamplingRow, check_sampling_params, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
@@ -45,8 +46,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.scheduler = Scheduler(config, kv)
-        self.sampler = sampler or Sampler()
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self.sampler = sampler or Sampler(eos_token_ids=self.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
         self._requests: dict[RequestId, list[Sequence]] = {}
         self._arrivals = itertools.count()
@@ -223,6 +224,7 @@ class LLMEngine:
         if not 1 <= request.sampling.n <= self.config.max_num_seqs:
             raise InvalidRequestError(f"n={request.sampling.n}: must be in 1..{self.config.max_num_seqs}", "n")
         check_sampling_params(request.sampling)  # here, not first in a step that samples it with others
+        check_processor_params(request.sampling, self.vocab_size)
 
     def _check_id_free(self, request_id: RequestId) -> None:
         """InvalidRequestError for an id with a reserved mark; DuplicateRequestError while it names
@@ -282,7 +284,9 @@ class LLMEngine:
         if not rows:
             return []
         logits = torch.stack([r for _, r in rows])  # (B, vocab)
-        sampled = self.sampler.sample(logits, [SamplingRow(s.request.sampling, s.generator) for s, _ in rows])
+        sampled = self.sampler.sample(logits, [SamplingRow(s.request.sampling, s.generator,
+                                                           TokenHistory(s.token_ids, s.num_prompt_tokens))
+                                               for s, _ in rows])
         outputs = []
         for (seq, _), token in zip(rows, sampled):
             outputs.append(self._advance(seq, token.token_id, token.logprob))
@@ -291,7 +295,10 @@ class LLMEngine:
     def _advance(self, seq: Sequence, token_id: int, logprob) -> RequestOutput:
         seq.token_ids.append(token_id)
         self.kv.append_tokens(seq.seq_id, [token_id])
-        piece = seq.stops.feed(seq.detokenizer.add([token_id]))
+        delta = seq.detokenizer.add([token_id])
+        # As vLLM: no stop string is looked for in the text of the first min_tokens tokens.
+        is_past_min = seq.num_output_tokens > seq.request.sampling.min_tokens
+        piece = seq.stops.feed(delta) if is_past_min else StopPiece(delta, False)
         reason = "stop" if piece.stopped else finish_reason_after(seq, token_id, self.eos_token_ids, self.config.max_model_len)
         if seq.prefill_only and reason is None:
             reason = "length"

@@ -30,6 +30,7 @@ NOT_BENCHMARKS = {"run_all.py", "report_markdown.py"}
 EXPECTED_SCRIPTS: dict[str, list[str]] = {
     "kvcache_ops.py": [],
     "kvcache_integrity.py": [],
+    "sampler_processors.py": [],
     "transfer_bandwidth.py": [],
     "serve_throughput.py": [],
     "disagg_vs_agg.py": [],

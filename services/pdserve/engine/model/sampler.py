@@ -2,12 +2,12 @@
 
 First vLLM's logits processors that can change the greedy token (bad words, min_tokens,
 logit_bias, repetition / frequency / presence penalties; `logits_processors.py`) adjust the
-rows that ask for them. Then greedy rows (temperature 0) take the argmax. Other rows are scaled by temperature,
-filtered by top-k then top-p (on the renormalised top-k mass), and sampled by the
-exponential race: argmax(p / q) with q ~ Exp(1) per token, which picks token i with
-probability p_i. A seeded sequence draws its q from its own generator, exactly one
-(vocab,) vector per sampled step, so its tokens depend only on its seed and its own
-logits, never on which other rows share the batch. Unseeded rows share the sampler's
+rows that ask for them. Then greedy rows (temperature 0) take the argmax. Other rows are
+scaled by temperature, filtered by top-k then top-p (on the renormalised top-k mass), and
+sampled by the exponential race: argmax(p / q) with q ~ Exp(1) per token, which picks token i
+with probability p_i. A seeded sequence draws its q from its own generator, exactly one
+(vocab,) vector per sampled step, so its tokens depend only on its seed, its own logits and
+its own tokens so far, never on which other rows share the batch. Unseeded rows share the sampler's
 generator.
 
 Logprobs, when asked for, are of the model's own distribution (log_softmax of the raw

@@ -13,14 +13,16 @@ top-k / top-p and the greedy argmax:
 
 Each step is a handful of tensor ops over the rows that ask for it: the per-row Python work is
 over a row's own short lists (its bias entries, stop ids, bad words, its token ids), never over
-the vocabulary. Token counts are rebuilt from the sequence's tokens every step (one `bincount`),
-so preemption, recompute and forks need no bookkeeping here.
+the vocabulary. The penalties touch only the (row, token) cells a row's tokens name, their
+counts rebuilt from the sequence's tokens every step (one `unique`), so preemption, recompute
+and forks need no bookkeeping here.
 """
 import itertools
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.common.errors import InvalidRequestError
@@ -93,7 +95,7 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[tuple[SamplingP
     when no row asks for a processor, else a new tensor."""
     if not any(needs_processing(params) for params, _ in rows):
         return logits
-    logits = logits.clone()
+    logits = logits.clone(memory_format=torch.contiguous_format)  # penalties index it flat
     _set_cells(logits, _bad_word_cells(rows), float("-inf"))
     _set_cells(logits, _held_stop_cells(rows, eos_token_ids), float("-inf"))
     _add_logit_bias(logits, rows)
@@ -154,36 +156,31 @@ def _add_logit_bias(logits: torch.Tensor, rows: Sequence[tuple[SamplingParams, T
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[tuple[SamplingParams, TokenHistory]]) -> None:
-    """vLLM's `apply_penalties` on the rows with any penalty, in place."""
+    """vLLM's `apply_penalties`, in place, on only the cells it can change: a token absent from
+    a row's output and prompt keeps its logit exactly (x / 1, x - 0), so the work is over the
+    rows' token ids, never over rows × vocabulary."""
     chosen = [i for i, (params, _) in enumerate(rows) if has_penalties(params)]
     if not chosen:
         return
     device, vocab = logits.device, logits.shape[1]
-    params = [rows[i][0] for i in chosen]
-    histories = [rows[i][1] for i in chosen]
-    output_counts = _token_counts([h.output for h in histories], vocab, device)  # (P, V) int64
-    output_mask = output_counts > 0  # (P, V)
-    seen = _token_counts([h.prompt if p.repetition_penalty != 1.0 else () for p, h in zip(params, histories)],
-                         vocab, device) > 0
-    seen |= output_mask
-    index = torch.tensor(chosen, device=device)
-    penalised = logits[index]  # (P, V)
-    repetition = _column([p.repetition_penalty for p in params], device)  # (P, 1)
-    scaled = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
-    penalised = torch.where(seen, scaled, penalised)
-    penalised -= _column([p.frequency_penalty for p in params], device) * output_counts
-    penalised -= _column([p.presence_penalty for p in params], device) * output_mask
-    logits[index] = penalised
+    flat = logits.view(-1)  # (B * V,): cell (row, token) at row * V + token
+    penalties = torch.tensor([[rows[i][0].repetition_penalty, rows[i][0].frequency_penalty,
+                               rows[i][0].presence_penalty] for i in range(len(rows))],
+                             dtype=torch.float32, device=device)  # (B, 3)
+    output_cells, counts = torch.unique(_cells([(i, rows[i][1].output) for i in chosen], vocab, device),
+                                        return_counts=True)  # (N,), (N,)
+    repeated = [(i, rows[i][1].prompt) for i in chosen if rows[i][0].repetition_penalty != 1.0]
+    seen = torch.cat([output_cells, _cells(repeated, vocab, device)])  # (S,), a cell twice gets one value twice
+    values = flat[seen]
+    repetition = penalties[seen // vocab, 0]
+    flat[seen] = torch.where(values > 0, values / repetition, values * repetition)
+    values = flat[output_cells] - penalties[output_cells // vocab, 1] * counts.to(torch.float32)
+    flat[output_cells] = values - penalties[output_cells // vocab, 2]  # vLLM subtracts the two in turn
 
 
-def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """(len(token_lists), vocab) int64: how often each token occurs in each list."""
-    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
-    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
-    counts = torch.bincount(rows * vocab + flat, minlength=len(token_lists) * vocab)
-    return counts.view(len(token_lists), vocab)
-
-
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+def _cells(token_lists: Sequence[tuple[int, Sequence[int]]], vocab: int, device: torch.device) -> torch.Tensor:
+    """(total tokens,) int64: row * vocab + token for every (row, its tokens) pair."""
+    lengths = [len(tokens) for _, tokens in token_lists]
+    row_ids = np.repeat(np.array([row for row, _ in token_lists], dtype=np.int64), lengths)
+    tokens = np.fromiter(itertools.chain.from_iterable(t for _, t in token_lists), np.int64, sum(lengths))
+    return torch.from_numpy(row_ids * vocab + tokens).to(device)  # numpy reads int lists ~3x faster than torch

@@ -31,6 +31,7 @@ EXPECTED_SCRIPTS: dict[str, list[str]] = {
     "kvcache_ops.py": [],
     "kvcache_integrity.py": [],
     "guided_sampling.py": [],
+    "sampler_processors.py": [],
     "transfer_bandwidth.py": [],
     "serve_throughput.py": [],
     "disagg_vs_agg.py": [],

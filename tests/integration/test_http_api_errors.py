@@ -80,8 +80,16 @@ def post(http: httpx.Client, path: str, content: bytes | str) -> httpx.Response:
         "invalid value for 'priority': Input should be less than or equal to 100 or a valid array (got 101)",
         "priority")),
     ('{"prompt": "hi", "suffix": "x"}', bad("'suffix' is not supported by this server", "suffix")),
-    ('{"prompt": "hi", "presence_penalty": 0.5}', bad(
-        "'presence_penalty' is not supported by this server; leave it unset", "presence_penalty")),
+    ('{"prompt": "hi", "presence_penalty": 2.5}', bad(
+        "invalid value for 'presence_penalty': Input should be less than or equal to 2 (got 2.5)",
+        "presence_penalty")),
+    ('{"prompt": "hi", "repetition_penalty": 0}', bad(
+        "invalid value for 'repetition_penalty': Input should be greater than 0 (got 0)", "repetition_penalty")),
+    ('{"prompt": "hi", "logit_bias": {"49152": 5}}', bad(
+        "logit_bias names token id 49152, outside the vocabulary [0, 49152)", "logit_bias")),
+    ('{"prompt": "hi", "max_tokens": 3, "min_tokens": 4}', bad(
+        "min_tokens (4) must be less than or equal to max_tokens (3)", "min_tokens")),
+    ('{"prompt": "hi", "bad_words": [" "]}', bad("bad_words[0] (' ') has no tokens", "bad_words[0]")),
     ('{"prompt": "hi", "lora_id": 3}', bad("'lora_id' is not supported by this server; leave it unset", "lora_id")),
     ('{"prompt": "hi", "stream_options": {"include_usage": true}}', bad(
         "'stream_options' is only allowed when 'stream' is true", "stream_options")),

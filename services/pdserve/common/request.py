@@ -65,6 +65,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (the prompt is then computed, not reused)
     skip_special_tokens: bool = True  # leave special tokens out of the text
     spaces_between_special_tokens: bool = True  # False: adjacent added tokens joined with no separator
+    # vLLM's logits processors that change which token wins (see engine/model/logits_processors.py)
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides (>0) / multiplies (<=0) logits of prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids unique
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are out
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
 
     @property
     def is_greedy(self) -> bool:

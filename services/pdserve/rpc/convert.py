@@ -80,6 +80,19 @@ def sampling_to_proto(params: SamplingParams) -> rpb.SamplingParams:
         **_guide_to_proto(params.guide),
         prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
+        **_processors_to_proto(params),
+    )
+
+
+def _processors_to_proto(params: SamplingParams) -> dict[str, object]:
+    """The logits processors' fields (20..29) of `rpb.SamplingParams`."""
+    return dict(
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
+        logit_bias=[_checked(rpb.SamplingParams.TokenBias, "logit_bias", token_id=t, bias=b)
+                    for t, b in params.logit_bias],
+        bad_words=[_checked(rpb.SamplingParams.TokenSequence, "bad_words", token_ids=word)
+                   for word in params.bad_words],
     )
 
 
@@ -108,6 +121,10 @@ def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
         skip_special_tokens=not msg.HasField("skip_special_tokens") or msg.skip_special_tokens,
         spaces_between_special_tokens=(not msg.HasField("spaces_between_special_tokens")
                                        or msg.spaces_between_special_tokens),
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple((b.token_id, b.bias) for b in msg.logit_bias), min_tokens=msg.min_tokens,
+        bad_words=tuple(tuple(word.token_ids) for word in msg.bad_words),
     )
 
 

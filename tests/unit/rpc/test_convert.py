@@ -30,6 +30,9 @@ sampling = st.builds(
     logprobs=st.none() | u32, include_stop_str_in_output=st.booleans(),
     guide=st.none() | st.builds(Guide, st.sampled_from(GuideKind), text),
     prompt_logprobs=st.none() | u32, skip_special_tokens=st.booleans(), spaces_between_special_tokens=st.booleans(),
+    presence_penalty=finite, frequency_penalty=finite, repetition_penalty=finite, min_tokens=u32,
+    logit_bias=st.lists(st.tuples(u32, finite), max_size=3).map(tuple),
+    bad_words=st.lists(st.lists(u32, min_size=1, max_size=3).map(tuple), max_size=3).map(tuple),
 )
 requests = st.builds(
     GenerationRequest,
@@ -88,6 +91,8 @@ def test_request_without_sampling_gets_sampling_defaults() -> None:
         (GenerationRequest(RequestId("r"), (1, -5)), "prompt_token_ids"),
         (GenerationRequest(RequestId("r"), (2**32,)), "prompt_token_ids"),
         (GenerationRequest(RequestId("r"), (1,), SamplingParams(top_k=-1)), "sampling"),
+        (GenerationRequest(RequestId("r"), (1,), SamplingParams(logit_bias=((-3, 1.0),))), "logit_bias"),
+        (GenerationRequest(RequestId("r"), (1,), SamplingParams(bad_words=((1, 2**32),))), "bad_words"),
         (GenerationRequest(RequestId("r"), (1,), priorities=(PriorityRange(-1, 4, 50),)), "priorities"),
     ],
 )
@@ -114,3 +119,9 @@ def test_enum_values_from_a_newer_worker_are_worker_errors() -> None:
 def test_prefill_worker_round_trips(prefill_worker: str | None) -> None:
     message = convert.request_to_proto(GenerationRequest(RequestId("r"), (1,)), prefill_worker)
     assert convert.prefill_worker_from_proto(message) == prefill_worker
+
+
+def test_sampling_without_processor_fields_means_none_of_them() -> None:
+    params = convert.sampling_from_proto(request_pb2.SamplingParams(max_tokens=4, temperature=0.5, top_p=1.0, n=1))
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert (params.logit_bias, params.min_tokens, params.bad_words) == ((), 0, ())

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker, StopPiece
 from pdserve.engine.core.handoff import Handoffs
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from pdserve.common.ids import BlockId, RequestId
@@ -23,6 +23,7 @@ from pdserve.common.request import GenerationRequest, RequestOutput, TokenLogpro
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.guided import GuideCompiler, GuideMatcher
 from pdserve.engine.model.host_store import TierStore
+from pdserve.engine.model.logits_processors import TokenHistory, check_processor_params
 from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
 from pdserve.engine.model.sampler import MAX_LOGPROBS, Sampler, SamplingRow, check_sampling_params, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -47,8 +48,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.scheduler = Scheduler(config, kv)
-        self.sampler = sampler or Sampler()
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self.sampler = sampler or Sampler(eos_token_ids=self.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
         self._requests: dict[RequestId, list[Sequence]] = {}
         self._arrivals = itertools.count()
@@ -231,6 +232,7 @@ class LLMEngine:
         num_top = request.sampling.prompt_logprobs
         if num_top is not None and not 0 <= num_top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"prompt_logprobs={num_top!r} must be in 0..{MAX_LOGPROBS}", "prompt_logprobs")
+        check_processor_params(request.sampling, self.vocab_size)
 
     def _check_id_free(self, request_id: RequestId) -> None:
         """InvalidRequestError for an id with a reserved mark; DuplicateRequestError while it names
@@ -319,7 +321,9 @@ class LLMEngine:
         if not rows:
             return []
         logits = torch.stack([r for _, r in rows])  # (B, vocab)
-        sampled = self.sampler.sample(logits, [SamplingRow(s.request.sampling, s.generator, s.guide) for s, _ in rows])
+        sampled = self.sampler.sample(logits, [SamplingRow(s.request.sampling, s.generator, s.guide,
+                                                           TokenHistory(s.token_ids, s.num_prompt_tokens))
+                                               for s, _ in rows])
         outputs = []
         for (seq, _), token in zip(rows, sampled):
             outputs.append(self._advance(seq, token.token_id, token.logprob))
@@ -330,7 +334,10 @@ class LLMEngine:
         self.kv.append_tokens(seq.seq_id, [token_id])
         sampling = seq.request.sampling
         is_text = sampling.include_stop_str_in_output or not is_stop_token(seq, token_id, self.eos_token_ids)
-        piece = seq.stops.feed(seq.detokenizer.add([token_id]) if is_text else "")
+        delta = seq.detokenizer.add([token_id]) if is_text else ""
+        # As vLLM: no stop string is looked for in the text of the first min_tokens tokens.
+        is_past_min = seq.num_output_tokens > sampling.min_tokens
+        piece = seq.stops.feed(delta) if is_past_min else StopPiece(delta, False)
         reason = "stop" if piece.stopped else finish_reason_after(seq, token_id, self.eos_token_ids, self.config.max_model_len)
         guide_error = self._advance_guide(seq, token_id)
         if guide_error is not None:

@@ -1,23 +1,26 @@
 """Next-token choice for one step's batch of logits rows.
 
-Greedy rows (temperature 0) take the argmax. Other rows are scaled by temperature,
-filtered by top-k then top-p (on the renormalised top-k mass), and sampled by the
-exponential race: argmax(p / q) with q ~ Exp(1) per token, which picks token i with
-probability p_i. A seeded sequence draws its q from its own generator, exactly one
-(vocab,) vector per sampled step, so its tokens depend only on its seed and its own
-logits, never on which other rows share the batch. Unseeded rows share the sampler's
+First vLLM's logits processors that can change the greedy token (bad words, min_tokens,
+logit_bias, repetition / frequency / presence penalties; `logits_processors.py`) adjust the
+rows that ask for them. Then greedy rows (temperature 0) take the argmax. Other rows are
+scaled by temperature, filtered by top-k then top-p (on the renormalised top-k mass), and
+sampled by the exponential race: argmax(p / q) with q ~ Exp(1) per token, which picks token i
+with probability p_i. A seeded sequence draws its q from its own generator, exactly one
+(vocab,) vector per sampled step, so its tokens depend only on its seed, its own logits and
+its own tokens so far, never on which other rows share the batch. Unseeded rows share the sampler's
 generator.
 
 Logprobs, when asked for, are of the model's own distribution (log_softmax of the raw
-logits, before temperature and filters), as vLLM and OpenAI report them.
+logits, before processors, temperature and filters), as vLLM (its default `logprobs_mode`,
+`raw_logprobs`) and OpenAI report them.
 
-A guided row (structured output) first has every token its grammar forbids set to -inf,
-all guided rows in one bitmask (`guided.py`); choice and sampling then see only what the
-grammar allows.
+A guided row (structured output) has every token its grammar forbids set to -inf after the
+logits processors, all guided rows in one bitmask (`guided.py`); choice and sampling then see
+only what the grammar allows.
 """
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,17 +28,21 @@ import torch
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.request import SamplingParams, TokenLogprob
 from pdserve.engine.model.guided import GuideMasks, GuideMatcher
+from pdserve.engine.model.logits_processors import (NO_HISTORY, TokenHistory, apply_logits_processors,
+                                                    check_processor_params)
 
 MAX_LOGPROBS = 20  # top-N per token, as the router's API (and vLLM's default); more grows each output by the vocab
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
-    """One logits row's parameters and, for a seeded sequence, its random stream."""
+    """One logits row's parameters, for a seeded sequence its random stream, and the sequence's
+    tokens so far (read only by the logits processors its params ask for)."""
 
     params: SamplingParams
     generator: torch.Generator | None = None  # from make_generator(seed, index); None: shared
     guide: GuideMatcher | None = None  # the sequence's grammar state, when its output is guided
+    history: TokenHistory = NO_HISTORY
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +60,14 @@ def make_generator(seed: int, index: int = 0, device: torch.device | str = "cpu"
 
 
 class Sampler:
-    """Turns logits rows into tokens. Owns only the stream used by unseeded rows."""
+    """Turns logits rows into tokens. Owns only the stream used by unseeded rows.
 
-    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+    `eos_token_ids`: the model's end-of-sequence ids, which `min_tokens` holds back.
+    """
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu",
+                 eos_token_ids: Collection[int] = ()) -> None:
+        self._eos_token_ids = frozenset(eos_token_ids)
         self._generator = torch.Generator(device=device)
         if seed is None:
             self._generator.seed()
@@ -70,15 +82,17 @@ class Sampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         for row in rows:
             check_sampling_params(row.params)
-        logits = logits.float()
-        scores = self._guided(logits, rows)  # (B, vocab)
+            check_processor_params(row.params, logits.shape[1])
+        raw = logits.float()
+        processed = apply_logits_processors(raw, [(row.params, row.history) for row in rows], self._eos_token_ids)
+        scores = self._guided(processed, rows)  # (B, vocab)
         token_ids = scores.argmax(dim=-1)  # (B,)
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
             token_ids[index] = self._sample_rows(scores[index], [rows[i] for i in sampled])
         chosen = token_ids.tolist()
-        logprobs = _logprobs(logits, chosen, [row.params.logprobs for row in rows])
+        logprobs = _logprobs(raw, chosen, [row.params.logprobs for row in rows])
         return [SampledToken(t, lp) for t, lp in zip(chosen, logprobs)]
 
     def _guided(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -20,6 +20,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_SALT_CHARS = 256
 MAX_PRIORITY_RANGES = 64
+MAX_BAD_WORDS = 128
 
 
 def _nullable_optionals(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -120,7 +121,8 @@ class SamplingBody(StrictModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to [-100, 100]
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     priority: PriorityBody | None = None

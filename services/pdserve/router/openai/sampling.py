@@ -2,10 +2,16 @@
 
 Every refusal is a 400 naming the field. Features pdserve does not implement are refused
 rather than silently ignored, so a client never gets output it did not ask for.
+
+The logits processors' fields follow vLLM's rules: `logit_bias` keys are token ids written as
+strings, each inside the vocabulary, their values clamped to [-100, 100]; `min_tokens` at most
+the tokens to generate; each of `bad_words` is banned as written and, where that is another
+token sequence of the same length, with a leading space (so a word is banned at the start of
+the text and after a space). The penalties' ranges are the body model's (`protocol.py`).
 """
 import logging
-from collections.abc import Mapping
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -22,6 +28,12 @@ from pdserve.router.openai.protocol import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_LOGIT_BIAS = 100.0
+MAX_BAD_WORD_SEQUENCES = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
+MAX_BAD_WORD_TOKENS = 1024  # over all sequences, vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS default
+
+TokenSequences = tuple[tuple[int, ...], ...]
+
 _log = logging.getLogger(__name__)
 BodyT = TypeVar("BodyT", bound=SamplingBody)
 Defaults = Mapping[str, float | int]
@@ -54,11 +66,6 @@ def with_defaults(body: BodyT, defaults: Defaults) -> BodyT:
 def check_supported(body: SamplingBody) -> None:
     """Refuse values of known fields that would change output in ways pdserve does not implement."""
     unsupported = {
-        "presence_penalty": body.presence_penalty != 0.0,
-        "frequency_penalty": body.frequency_penalty != 0.0,
-        "repetition_penalty": body.repetition_penalty not in (None, 1.0),
-        "logit_bias": bool(body.logit_bias),
-        "min_tokens": body.min_tokens != 0,
         "lora_id": body.lora_id is not None,
     }
     for field, is_set in unsupported.items():
@@ -125,9 +132,11 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    body: SamplingBody, max_tokens: int, logprobs: int | None, vocab_size: int, guide: Guide | None = None
+    body: SamplingBody, max_tokens: int, logprobs: int | None, vocab_size: int,
+    bad_words: TokenSequences = (), max_tokens_param: str = "max_tokens", guide: Guide | None = None,
 ) -> SamplingParams:
-    """`SamplingParams` for a body already passed through `check_supported`."""
+    """`SamplingParams` for a body already passed through `check_supported`; `bad_words` as
+    `bad_words_token_ids` tokenized them, `max_tokens_param` the field that set `max_tokens`."""
     stop_token_ids = list(body.stop_token_ids or [])
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
     return SamplingParams(
@@ -146,6 +155,12 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs(body),
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=logit_bias(body, vocab_size),
+        min_tokens=min_tokens(body, max_tokens, max_tokens_param),
+        bad_words=bad_words,
     )
 
 
@@ -179,3 +194,55 @@ def priority_ranges(body: SamplingBody, num_prompt_tokens: int) -> tuple[Priorit
         if after.start < before.end:
             raise bad_request(f"priority ranges overlap at token {after.start}", "priority")
     return tuple(ranges)
+
+
+class Encoder(Protocol):
+    """What `bad_words_token_ids` uses of the router's tokenizer (`prompts.PromptTokenizer` has it)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+def logit_bias(body: SamplingBody, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """(token id, clamped bias) pairs sorted by token id; a key written twice keeps its last value."""
+    biases: dict[int, float] = {}
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"logit_bias names token id {token_id}, outside the vocabulary [0, {vocab_size})",
+                              "logit_bias")
+        biases[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias))
+    return tuple(sorted(biases.items()))
+
+
+def min_tokens(body: SamplingBody, max_tokens: int, param: str) -> int:
+    """`body.min_tokens`; a 400 when it exceeds the tokens to generate (`param` names that limit)."""
+    if body.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({body.min_tokens}) must be less than or equal to {param} ({max_tokens})",
+                          "min_tokens")
+    return body.min_tokens
+
+
+def bad_words_token_ids(words: Sequence[str] | None, tokenizer: Encoder, vocab_size: int) -> TokenSequences:
+    """The token sequences that ban `words`, as vLLM's `SamplingParams.update_from_tokenizer` makes them."""
+    sequences: list[tuple[int, ...]] = []
+    for i, word in enumerate(words or ()):
+        if word in (words or ())[:i]:
+            continue  # vLLM drops repeated words
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise bad_request(f"bad_words[{i}] ({word!r}) has no tokens", f"bad_words[{i}]")
+        sequences.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+        raise bad_request(f"bad_words make {len(sequences)} token sequences; at most {MAX_BAD_WORD_SEQUENCES} "
+                          "are allowed", "bad_words")
+    if sum(len(s) for s in sequences) > MAX_BAD_WORD_TOKENS:
+        raise bad_request(f"bad_words make more than {MAX_BAD_WORD_TOKENS} tokens in all", "bad_words")
+    if any(not 0 <= t < vocab_size for s in sequences for t in s):
+        raise bad_request(f"bad_words tokenize to ids outside the model's vocabulary [0, {vocab_size})", "bad_words")
+    return tuple(sequences)

@@ -19,7 +19,7 @@ from pdserve.router.openai.protocol import SamplingBody
 from pdserve.router.openai.responses import PromptTokensDetails, Usage
 from pdserve.router.openai.runner import StreamTimeouts, run_streams
 from pdserve.router.openai.structured.tools import ToolCallConfig
-from pdserve.router.openai.sampling import priority_ranges, resolve_max_tokens, sampling_params
+from pdserve.router.openai.sampling import bad_words_token_ids, priority_ranges, resolve_max_tokens, sampling_params
 from pdserve.router.openai.access.tenants import Tenant, effective_cache_salt
 
 Event = tuple[int, RequestOutput]  # (prompt index, output)
@@ -101,6 +101,7 @@ def generation_requests(
     every output."""
     if len(prompts) * body.n > ctx.limits.max_choices:
         raise bad_request(f"{len(prompts)} prompts × n={body.n} exceeds {ctx.limits.max_choices} choices", "n")
+    bad_words = bad_words_token_ids(body.bad_words, ctx.tokenizer, ctx.info.vocab_size)
     requests = []
     for i, prompt in enumerate(prompts):
         num_tokens = len(prompt.token_ids)
@@ -110,7 +111,7 @@ def generation_requests(
         requests.append(GenerationRequest(
             request_id=RequestId(f"{response_id}-{i}"),
             prompt_token_ids=prompt.token_ids,
-            sampling=sampling_params(body, limit, logprobs, ctx.info.vocab_size, guide),
+            sampling=sampling_params(body, limit, logprobs, ctx.info.vocab_size, bad_words, max_tokens.param, guide),
             cache_salt=effective_cache_salt(ctx.tenant, body.cache_salt),
             priorities=priority_ranges(body, num_tokens),
         ))

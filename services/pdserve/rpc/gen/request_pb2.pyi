@@ -54,7 +54,19 @@ class MultimodalSpan(_message.Message):
     def __init__(self, content_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "logprobs", "include_stop_str_in_output", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "guide_kind", "guide")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "logprobs", "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "bad_words", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "guide_kind", "guide")
+    class TokenBias(_message.Message):
+        __slots__ = ("token_id", "bias")
+        TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+        BIAS_FIELD_NUMBER: _ClassVar[int]
+        token_id: int
+        bias: float
+        def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
+    class TokenSequence(_message.Message):
+        __slots__ = ("token_ids",)
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +78,12 @@ class SamplingParams(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -82,12 +100,18 @@ class SamplingParams(_message.Message):
     n: int
     logprobs: int
     include_stop_str_in_output: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.RepeatedCompositeFieldContainer[SamplingParams.TokenBias]
+    min_tokens: int
+    bad_words: _containers.RepeatedCompositeFieldContainer[SamplingParams.TokenSequence]
     prompt_logprobs: int
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     guide_kind: GuideKind
     guide: str
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., guide_kind: _Optional[_Union[GuideKind, str]] = ..., guide: _Optional[str] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[SamplingParams.TokenBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., bad_words: _Optional[_Iterable[_Union[SamplingParams.TokenSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., guide_kind: _Optional[_Union[GuideKind, str]] = ..., guide: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "lora_id", "priorities", "multimodal", "prefill_worker")

@@ -146,9 +146,9 @@ def test_a_seeded_penalised_row_draws_the_same_alone_and_in_a_crowd() -> None:
     for step in range(12):
         logits = torch.randn((3, VOCAB), generator=torch.Generator().manual_seed(step))  # (3, V)
         history = TokenHistory([1, 2] + out_alone, 2)
-        out_alone += [alone.sample(logits[1:2], [SamplingRow(params, gen_alone, history)])[0].token_id]
-        rows = [SamplingRow(other, None, TokenHistory([4, 7, 7], 1)),
-                SamplingRow(params, gen_crowded, TokenHistory([1, 2] + out_crowded, 2)),
+        out_alone += [alone.sample(logits[1:2], [SamplingRow(params, gen_alone, history=history)])[0].token_id]
+        rows = [SamplingRow(other, None, history=TokenHistory([4, 7, 7], 1)),
+                SamplingRow(params, gen_crowded, history=TokenHistory([1, 2] + out_crowded, 2)),
                 SamplingRow(SamplingParams(temperature=0.0))]
         out_crowded += [crowded.sample(logits, rows)[1].token_id]
     assert out_alone == out_crowded

@@ -12,6 +12,7 @@ the worker last reported plus what this router dispatched to it since (see `Work
 A lower cost is better.
 """
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.common.errors import ConfigError
@@ -62,11 +63,27 @@ def new_blocks(prompt_blocks: int, overlap: Overlap, weights: CostWeights) -> fl
 def prefill_cost(prompt_blocks: int, overlap: Overlap, load: WorkerLoad, tokens_per_block: int,
                  weights: CostWeights) -> float:
     """Cost on a worker that prefills the prompt itself (a prefill worker, or an aggregated one)."""
-    queued = load.num_prefill_tokens / tokens_per_block
-    return weights.prefill_load_scale * (queued + new_blocks(prompt_blocks, overlap, weights)) + load.num_active_blocks
+    return prefill_costs(prompt_blocks, [overlap], [load], tokens_per_block, weights)[0]
 
 
 def decode_cost(prompt_blocks: int, overlap: Overlap, load: WorkerLoad, weights: CostWeights) -> float:
     """Cost on a decode worker whose prompt a prefill worker computes: the blocks it holds are
     reused locally; the rest it allocates and receives."""
-    return load.num_active_blocks + new_blocks(prompt_blocks, overlap, weights)
+    return decode_costs(prompt_blocks, [overlap], [load], weights)[0]
+
+
+# The planner prices every worker of a role at once: one call per decision, not one per worker.
+
+def prefill_costs(prompt_blocks: int, overlaps: Sequence[Overlap], loads: Sequence[WorkerLoad],
+                  tokens_per_block: int, weights: CostWeights) -> list[float]:
+    """`prefill_cost` of each (overlap, load) pair."""
+    scale = weights.prefill_load_scale
+    return [scale * (load.num_prefill_tokens / tokens_per_block + new_blocks(prompt_blocks, overlap, weights))
+            + load.num_active_blocks for overlap, load in zip(overlaps, loads, strict=True)]
+
+
+def decode_costs(prompt_blocks: int, overlaps: Sequence[Overlap], loads: Sequence[WorkerLoad],
+                 weights: CostWeights) -> list[float]:
+    """`decode_cost` of each (overlap, load) pair."""
+    return [load.num_active_blocks + new_blocks(prompt_blocks, overlap, weights)
+            for overlap, load in zip(overlaps, loads, strict=True)]

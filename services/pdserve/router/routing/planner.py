@@ -59,7 +59,7 @@ class RouteDecision:
         return ";".join(parts)
 
 
-_ROUTED_ROLES = DECODE_ROLES | {WorkerRole.PREFILL}
+_ROUTED_ROLES = (*DECODE_ROLES, WorkerRole.PREFILL)
 CostsOf = Callable[[Sequence[WorkerHandle], list[Overlap], list[WorkerLoad]], list[float]]
 
 
@@ -78,14 +78,10 @@ class Planner:
     def plan(self, block_hashes: Sequence[BlockHash], num_prompt_tokens: int,
              exclude: Collection[WorkerId] = (), session_id: str | None = None) -> RouteDecision:
         """Raises WorkerUnavailableError when no decode-capable worker outside `exclude` is up."""
-        # one pass over the pool, split by identity: testing a role's membership in a set hashes
-        # an enum in Python, per worker
-        up = self._pool.up(_ROUTED_ROLES, exclude)
-        decoders = [h for h in up if h.role is not WorkerRole.PREFILL]
+        decoders, prefillers = self._up(exclude)
         if not decoders:
             why = self._pool.why_out()
             raise WorkerUnavailableError("decode", "no decode or aggregated worker is up" + (f" ({why})" if why else ""))
-        prefillers = [h for h in up if h.role is WorkerRole.PREFILL]
         blocks = num_prompt_blocks(num_prompt_tokens, self._tpb)
         overlaps = self._index.overlaps(block_hashes, [h.address for h in decoders + prefillers])
         sticky = self._sessions.get(session_id) if session_id else None
@@ -100,6 +96,14 @@ class Planner:
         if session_id:
             self._sessions.remember(session_id, decode.worker, prefill.worker if prefill else None)
         return RouteDecision(decode, prefill, blocks, not prefillers and self._pool.has_prefill_workers)
+
+    def _up(self, exclude: Collection[WorkerId]) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        """The decode-capable and the prefill workers in rotation, in one pass over the pool. The
+        roles are a tuple: membership in a set would hash an enum member in Python, per worker."""
+        decoders, prefillers = [], []
+        for handle in self._pool.up(_ROUTED_ROLES, exclude):
+            (prefillers if handle.role is WorkerRole.PREFILL else decoders).append(handle)
+        return decoders, prefillers
 
     def _local_costs(self, blocks: int, handles: Sequence[WorkerHandle], overlaps: list[Overlap],
                      loads: list[WorkerLoad]) -> list[float]:

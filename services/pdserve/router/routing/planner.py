@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
+from operator import attrgetter
 
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import BlockHash, WorkerId
@@ -60,6 +61,7 @@ class RouteDecision:
 
 
 _ROUTED_ROLES = (*DECODE_ROLES, WorkerRole.PREFILL)
+_role = attrgetter("info.role")  # of a worker in rotation (registered); in C, unlike the property
 CostsOf = Callable[[Sequence[WorkerHandle], list[Overlap], list[WorkerLoad]], list[float]]
 
 
@@ -102,7 +104,7 @@ class Planner:
         roles are a tuple: membership in a set would hash an enum member in Python, per worker."""
         decoders, prefillers = [], []
         for handle in self._pool.up(_ROUTED_ROLES, exclude):
-            (prefillers if handle.role is WorkerRole.PREFILL else decoders).append(handle)
+            (prefillers if _role(handle) is WorkerRole.PREFILL else decoders).append(handle)
         return decoders, prefillers
 
     def _local_costs(self, blocks: int, handles: Sequence[WorkerHandle], overlaps: list[Overlap],
@@ -114,7 +116,7 @@ class Planner:
         if prefill is None:
             return self._local_costs(blocks, handles, overlaps, loads)
         remote = [c + prefill.cost for c in decode_costs(blocks, overlaps, loads, self._config.weights)]
-        is_local = [h.role == WorkerRole.BOTH for h in handles]
+        is_local = [_role(h) is WorkerRole.BOTH for h in handles]
         if not any(is_local):
             return remote
         local = self._local_costs(blocks, handles, overlaps, loads)

@@ -220,6 +220,8 @@ class PrefixIndex:
     def _put(self, part: _WorkerPart, block_hash: BlockHash, tier: Tier) -> None:
         part.keys.add(block_hash)
         self._holders[block_hash] = self._holders.get(block_hash, 0) | part.bit
+        if tier is Tier.DEVICE and block_hash not in self._host and block_hash not in self._disk:
+            return  # the common case: nothing to mark
         self._mark(self._host, part, block_hash, tier is Tier.HOST)
         self._mark(self._disk, part, block_hash, tier is Tier.DISK)
 

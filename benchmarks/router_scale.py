@@ -1,14 +1,15 @@
 """The router at cluster size: routing decision cost, KV event ingestion rate and prefix-index
 memory for 1-64 workers and 10k-1M indexed blocks.
 
-Per cell (workers x indexed blocks), in a fresh process so its memory figure is its own:
+Per cell (workers x indexed blocks), in a fresh process:
 1. `router_scale_workload.py` draws what the workers cache and serialises their KV event streams
    as the workers' KvEvents service writes them;
 2. ingestion: the router's own `WorkerPool` (fake worker clients answering info and stats), its
    `PrefixIndex`, and one real `KvEventSubscriber` per worker reading its stream from a replay
    source that decodes each batch with `rpc.kv_events` as `KvEventsClient` does. Events/s and
    block keys/s over the wall time from the first subscription until every stream is applied
-   (protobuf decoding included; its share is reported), and the RSS it added per indexed block;
+   (protobuf decoding included; its share is reported), and the bytes the index holds per indexed
+   block (`index_bytes`);
 3. decisions: `Planner.plan` (the index's overlaps, loads, costs and the kv_aware policy) for each
    prompt, with requests in flight booked on the pool as `RoutedBackend` books them, finished in
    order, and load reports polled every `--poll-every` decisions. Each decision is taken
@@ -19,12 +20,11 @@ Workers: half prefill, half decode (one worker: aggregated). Besides the cells, 
 keys of a prompt (`prompt_block_keys`, computed once per request whatever the cluster) are timed.
 A benchmark, not a test: nothing is asserted.
 
-    python benchmarks/router_scale.py --json results-router-scale.json     # 3x3 grid, ~3 min
-    python benchmarks/router_scale.py --quick                              # seconds
+    python benchmarks/router_scale.py --json results-router-scale.json     # 3x3 grid, ~90 s of CPU
+    python benchmarks/router_scale.py --quick                              # 10k and 100k, ~15 s of CPU
 """
 import argparse
 import asyncio
-import gc
 import json
 import random
 import statistics
@@ -103,9 +103,25 @@ class ReplaySource:
         pass
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+def index_bytes(index: PrefixIndex) -> int:
+    """What the index's tables and every object they hold take (`sys.getsizeof`), each object
+    counted once: a key several workers hold is one bytes object per event that stored it.
+    (An RSS delta would not do: the memory the workload's build freed is reused by the index.)"""
+    seen: set[int] = set()
+
+    def once(obj: object) -> int:
+        if id(obj) in seen or (isinstance(obj, int) and -5 <= obj <= 256):  # small ints are shared
+            return 0
+        seen.add(id(obj))
+        return sys.getsizeof(obj)
+
+    tables = [index._holders, index._host, index._disk]  # the layout prefix_index.py documents
+    total = sum(map(sys.getsizeof, tables))
+    for table in tables:
+        total += sum(once(key) + once(value) for key, value in table.items())
+    for part in index._parts.values():
+        total += sys.getsizeof(part) + sys.getsizeof(part.keys) + sum(map(once, part.keys))
+    return total
 
 
 def role_of(i: int, num_workers: int) -> WorkerRole:
@@ -186,11 +202,7 @@ async def measure_cell(shape: WorkloadShape, args: argparse.Namespace) -> dict:
                                                                deployment_id=DeploymentId("bench")), HASH_ALGORITHM)
     await pool.start()
     index = PrefixIndex()
-    gc.collect()
-    rss_before = rss_bytes()
     tasks, ingest = await _ingest(workload, pool, index)
-    gc.collect()
-    index_bytes = rss_bytes() - rss_before
     num_indexed = sum(index.num_blocks(w) for w in workers)
     decide = await _decide(workload, pool, index, shape, args)
     is_synced = all(index.is_synced(w) for w in workers)
@@ -202,7 +214,7 @@ async def measure_cell(shape: WorkloadShape, args: argparse.Namespace) -> dict:
     return {"workers": shape.num_workers, "indexed_blocks": num_indexed, "unique_blocks": workload.num_unique_blocks,
             "events": workload.num_events, "all_synced": is_synced, "ingest_s": ingest["seconds"],
             "ingest_events_per_s": ingest["events_per_s"], "ingest_decode_share": ingest["decode_share"],
-            "rss_bytes_per_indexed_block": index_bytes / max(num_indexed, 1),
+            "index_bytes_per_indexed_block": index_bytes(index) / max(num_indexed, 1),
             "plan_us_p50": plan["p50"], "plan_us_p99": plan["p99"],
             "plan_first_us_p50": first["p50"], "plan_first_us_p99": first["p99"],
             "overlaps_us_p50": overlaps["p50"], "overlaps_us_p99": overlaps["p99"],
@@ -225,7 +237,7 @@ def key_hashing_rows(tokens_per_block: int, repeats: int) -> list[dict]:
 
 
 def run_cell_process(num_workers: int, num_blocks: int, args: argparse.Namespace) -> dict:
-    """`measure_cell` in a fresh interpreter: its RSS growth is the index's alone."""
+    """`measure_cell` in a fresh interpreter: no cell inherits another's heap."""
     command = [sys.executable, str(Path(__file__).resolve()), "--cell", str(num_workers), str(num_blocks),
                "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
                "--in-flight-per-worker", str(args.in_flight_per_worker), "--poll-every", str(args.poll_every),
@@ -239,7 +251,7 @@ def print_row(r: dict, header: bool) -> None:
         print(f"{'workers':>7} {'blocks':>9} {'unique':>9} {'events/s':>10} {'B/block':>8} "
               f"{'plan p50':>9} {'plan p99':>9} {'idx p50':>8} {'idx p99':>8}  (us)", flush=True)
     print(f"{r['workers']:>7} {r['indexed_blocks']:>9} {r['unique_blocks']:>9} {r['ingest_events_per_s']:>10.0f} "
-          f"{r['rss_bytes_per_indexed_block']:>8.0f} {r['plan_us_p50']:>9.1f} {r['plan_us_p99']:>9.1f} "
+          f"{r['index_bytes_per_indexed_block']:>8.0f} {r['plan_us_p50']:>9.1f} {r['plan_us_p99']:>9.1f} "
           f"{r['overlaps_us_p50']:>8.1f} {r['overlaps_us_p99']:>8.1f}", flush=True)
 
 

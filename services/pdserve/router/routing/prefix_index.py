@@ -154,6 +154,8 @@ class PrefixIndex:
         Consecutive blocks with the same holders (a chain the same workers stored) are one group
         of `groupby`, compared in C: Python steps once per group, not per block."""
         drops, matching, position = [], wanted, 0
+        if not matching:
+            return drops
         for holders, group in groupby(map(self._holders.get, block_hashes, repeat(0))):
             held = matching & holders
             if held != matching:

@@ -38,7 +38,7 @@ from pathlib import Path
 from router_scale_workload import Workload, WorkloadShape, build_workload  # sibling module
 from run_all import machine_info  # sibling module: the machine facts every report states
 
-from pdserve.common.ids import DeploymentId, RequestId, WorkerId
+from pdserve.common.ids import DeploymentId, RequestId
 from pdserve.common.request import GenerationRequest
 from pdserve.common.stats import EngineStats, ModelInfo, WorkerInfo, WorkerRole
 from pdserve.kvcache import HASH_ALGORITHM

@@ -36,6 +36,7 @@ EXPECTED_SCRIPTS: dict[str, list[str]] = {
     "serve_throughput.py": [],
     "disagg_vs_agg.py": [],
     "routing.py": [],
+    "router_scale.py": [],
     "model_forward.py": [],
     "tiers.py": [],
     "internal_tls.py": ["--scale", "0.5"],

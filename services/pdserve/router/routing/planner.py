@@ -12,11 +12,12 @@ import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
+from operator import attrgetter
 
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import BlockHash, WorkerId
 from pdserve.common.stats import WorkerRole
-from pdserve.router.routing.cost import CostWeights, WorkerLoad, decode_cost, num_prompt_blocks, prefill_cost
+from pdserve.router.routing.cost import CostWeights, WorkerLoad, decode_costs, num_prompt_blocks, prefill_costs
 from pdserve.router.routing.policy import Candidate, Policy, make_policy
 from pdserve.router.routing.prefix_index import Overlap, PrefixIndex
 from pdserve.router.routing.registration import DECODE_ROLES
@@ -59,7 +60,9 @@ class RouteDecision:
         return ";".join(parts)
 
 
-CostOf = Callable[[WorkerHandle, Overlap, WorkerLoad], float]
+_ROUTED_ROLES = (*DECODE_ROLES, WorkerRole.PREFILL)
+_role = attrgetter("info.role")  # of a worker in rotation (registered); in C, unlike the property
+CostsOf = Callable[[Sequence[WorkerHandle], list[Overlap], list[WorkerLoad]], list[float]]
 
 
 class Planner:
@@ -77,19 +80,18 @@ class Planner:
     def plan(self, block_hashes: Sequence[BlockHash], num_prompt_tokens: int,
              exclude: Collection[WorkerId] = (), session_id: str | None = None) -> RouteDecision:
         """Raises WorkerUnavailableError when no decode-capable worker outside `exclude` is up."""
-        decoders = self._pool.up(DECODE_ROLES, exclude)
+        decoders, prefillers = self._up(exclude)
         if not decoders:
             why = self._pool.why_out()
             raise WorkerUnavailableError("decode", "no decode or aggregated worker is up" + (f" ({why})" if why else ""))
-        prefillers = self._pool.up({WorkerRole.PREFILL}, exclude)
         blocks = num_prompt_blocks(num_prompt_tokens, self._tpb)
         overlaps = self._index.overlaps(block_hashes, [h.address for h in decoders + prefillers])
         sticky = self._sessions.get(session_id) if session_id else None
         prefill = None
         if prefillers:
-            prefill = self._pick(self._prefill_policy, prefillers, overlaps, partial(self._local_cost, blocks),
+            prefill = self._pick(self._prefill_policy, prefillers, overlaps, partial(self._local_costs, blocks),
                                  sticky.prefill if sticky else None)
-        decode = self._pick(self._decode_policy, decoders, overlaps, partial(self._decode_cost, blocks, prefill),
+        decode = self._pick(self._decode_policy, decoders, overlaps, partial(self._decode_costs, blocks, prefill),
                             sticky.decode if sticky else None)
         if self._pool.handles[decode.worker].role == WorkerRole.BOTH:
             prefill = None  # it prefills its own prompts
@@ -97,23 +99,37 @@ class Planner:
             self._sessions.remember(session_id, decode.worker, prefill.worker if prefill else None)
         return RouteDecision(decode, prefill, blocks, not prefillers and self._pool.has_prefill_workers)
 
-    def _local_cost(self, blocks: int, handle: WorkerHandle, overlap: Overlap, load: WorkerLoad) -> float:
-        return prefill_cost(blocks, overlap, load, self._tpb, self._config.weights)
+    def _up(self, exclude: Collection[WorkerId]) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        """The decode-capable and the prefill workers in rotation, in one pass over the pool. The
+        roles are a tuple: membership in a set would hash an enum member in Python, per worker."""
+        decoders, prefillers = [], []
+        for handle in self._pool.up(_ROUTED_ROLES, exclude):
+            (prefillers if _role(handle) is WorkerRole.PREFILL else decoders).append(handle)
+        return decoders, prefillers
 
-    def _decode_cost(self, blocks: int, prefill: Leg | None, handle: WorkerHandle, overlap: Overlap,
-                     load: WorkerLoad) -> float:
-        if prefill is None or handle.role == WorkerRole.BOTH:
-            return self._local_cost(blocks, handle, overlap, load)
-        return decode_cost(blocks, overlap, load, self._config.weights) + prefill.cost
+    def _local_costs(self, blocks: int, handles: Sequence[WorkerHandle], overlaps: list[Overlap],
+                     loads: list[WorkerLoad]) -> list[float]:
+        return prefill_costs(blocks, overlaps, loads, self._tpb, self._config.weights)
+
+    def _decode_costs(self, blocks: int, prefill: Leg | None, handles: Sequence[WorkerHandle],
+                      overlaps: list[Overlap], loads: list[WorkerLoad]) -> list[float]:
+        if prefill is None:
+            return self._local_costs(blocks, handles, overlaps, loads)
+        remote = [c + prefill.cost for c in decode_costs(blocks, overlaps, loads, self._config.weights)]
+        is_local = [_role(h) is WorkerRole.BOTH for h in handles]
+        if not any(is_local):
+            return remote
+        local = self._local_costs(blocks, handles, overlaps, loads)
+        return [lc if b else rc for b, lc, rc in zip(is_local, local, remote, strict=True)]
 
     def _pick(self, policy: Policy, handles: Sequence[WorkerHandle], overlaps: dict[WorkerId, Overlap],
-              cost_of: CostOf, sticky: WorkerId | None) -> Leg:
-        """The session's worker if it is a candidate, else the policy's choice."""
-        legs = {}
-        candidates = []
-        for handle in handles:
-            load = self._pool.load(handle)
-            overlap = overlaps[handle.address]
-            leg = legs[handle.address] = Leg(handle.address, overlap, cost_of(handle, overlap, load))
-            candidates.append(Candidate(handle.address, leg.cost, load.num_requests, load.num_active_blocks))
-        return legs[sticky] if sticky in legs else legs[policy.choose(candidates).worker]
+              costs_of: CostsOf, sticky: WorkerId | None) -> Leg:
+        """The session's worker if it is a candidate, else the policy's choice. Every worker of a
+        role is priced in one call; nothing per worker is built beyond its candidate."""
+        loads = [self._pool.load(h) for h in handles]
+        costs = costs_of(handles, [overlaps[h.address] for h in handles], loads)
+        candidates = [Candidate(h.address, cost, load.num_requests, load.num_active_blocks)
+                      for h, cost, load in zip(handles, costs, loads, strict=True)]
+        chosen = next((c for c in candidates if c.worker == sticky), None) if sticky else None
+        chosen = chosen or policy.choose(candidates)
+        return Leg(chosen.worker, overlaps[chosen.worker], chosen.cost)

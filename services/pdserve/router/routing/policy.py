@@ -12,6 +12,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
 from pdserve.common.errors import ConfigError
@@ -19,8 +20,11 @@ from pdserve.common.ids import WorkerId
 from pdserve.common.settings import ROUTING_POLICIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Candidate:
+    """One worker as a policy sees it. Not frozen: the planner builds one per worker per decision,
+    and a frozen dataclass takes several times as long to build (benchmarks/router_scale.py)."""
+
     worker: WorkerId
     cost: float
     num_requests: int
@@ -34,8 +38,13 @@ class Policy(Protocol):
 
 
 def _lowest(candidates: Sequence[Candidate], key: Callable[[Candidate], tuple], rng: random.Random) -> Candidate:
-    best = min(key(c) for c in candidates)
-    return rng.choice([c for c in candidates if key(c) == best])
+    keys = list(map(key, candidates))
+    best = min(keys)
+    return rng.choice([c for c, k in zip(candidates, keys) if k == best])
+
+
+_BY_COST = attrgetter("cost", "num_requests")
+_BY_LOAD = attrgetter("num_requests", "num_active_blocks")
 
 
 class KvAwarePolicy:
@@ -47,7 +56,7 @@ class KvAwarePolicy:
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         if self._temperature == 0.0 or len(candidates) == 1:
-            return _lowest(candidates, lambda c: (c.cost, c.num_requests), self._rng)
+            return _lowest(candidates, _BY_COST, self._rng)
         weights = softmax_weights([c.cost for c in candidates], self._temperature)
         return self._rng.choices(list(candidates), weights=weights)[0]
 
@@ -80,7 +89,7 @@ class LeastLoadedPolicy:
         self._rng = rng
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        return _lowest(candidates, lambda c: (c.num_requests, c.num_active_blocks), self._rng)
+        return _lowest(candidates, _BY_LOAD, self._rng)
 
 
 class RandomPolicy:

@@ -7,9 +7,11 @@ from pdserve.router.routing.cost import (
     WorkerLoad,
     credit,
     decode_cost,
+    decode_costs,
     new_blocks,
     num_prompt_blocks,
     prefill_cost,
+    prefill_costs,
 )
 from pdserve.router.routing.prefix_index import Overlap
 
@@ -59,3 +61,10 @@ def test_bad_weights_are_refused_by_name(field: str, value: float) -> None:
     with pytest.raises(ConfigError) as err:
         CostWeights(**{field: value})
     assert err.value.field == field
+
+
+def test_a_role_is_priced_at_once_as_each_worker_would_be() -> None:
+    overlaps = [Overlap(), Overlap(num_device=6), Overlap(num_host=4, num_disk=4)]
+    loads = [IDLE, WorkerLoad(3, 20, 64), WorkerLoad(1, 5, 0)]
+    assert prefill_costs(10, overlaps, loads, 16, W) == [10.0, 4 + 4 + 20, 0 + 6 + 5]
+    assert decode_costs(10, overlaps, loads, W) == [10.0, 20 + 4, 5 + 6]

@@ -12,6 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 REMOTE_PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Why a decode worker prefills a prompt itself (DecodeEngine and DecodeVerdict give these).
+LOCAL_PREFILL_REASONS = ("no_prefill_worker", "n_gt_1", "peer_unavailable", "few_missing_tokens", "no_free_blocks",
+                         "lower_tier_read_failed")
 
 
 class TransferMetrics:
@@ -35,6 +38,15 @@ class TransferMetrics:
                                       ["reason"], registry=r)
         self.lease_expiries = Counter("pdserve_kv_lease_expiries", "Blocks held for a peer freed by their lease",
                                       registry=r)
+
+    def start_at_zero(self, direction: str, local_prefill_reasons: tuple[str, ...] = ()) -> None:
+        """Create a role's labelled series before their first event, so that dashboards chart 0
+        rather than no data (a prefill worker sends, a decode worker receives and falls back)."""
+        self.bytes.labels(direction)
+        self.blocks.labels(direction)
+        self.failures.labels(direction)
+        for reason in local_prefill_reasons:
+            self.local_prefills.labels(reason)
 
     def transferred(self, direction: str, num_blocks: int, num_bytes: int) -> None:
         self.bytes.labels(direction).inc(num_bytes)

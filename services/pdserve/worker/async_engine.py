@@ -26,7 +26,17 @@ from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent, Tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-LoraLoad = tuple[tuple[str, ...], tuple[str, ...]]  # LoRA adapters of running requests, of waiting ones
+
+
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    """What the worker's metrics read beyond `EngineStats` (which the router's load polls carry):
+    requests whose prompt's KV is still on its way from a peer (vLLM counts them as waiting), and
+    the LoRA adapters of running and of waiting requests."""
+
+    num_awaiting_kv: int = 0
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -100,7 +110,7 @@ class ThreadedEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stats = self._snapshot()
-        self._lora: LoraLoad = ((), ())
+        self._queues = QueueView()
         self._kv_event_listeners: list[Callable[[list[KvEvent]], None]] = []
         self._step_stats_listeners: list[Callable[[StepStats], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -134,9 +144,9 @@ class ThreadedEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def lora_load(self) -> LoraLoad:
-        """The LoRA adapters of running and of waiting requests, as of the last loop turn."""
-        return self._lora
+    def queues(self) -> QueueView:
+        """As of the last loop turn."""
+        return self._queues
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
                        prefill_only: bool = False, hold_lease_s: float = 30.0) -> AsyncIterator[RequestOutput]:
@@ -232,7 +242,7 @@ class ThreadedEngine:
             self._publish_kv_events()
             self._publish_step_stats()
             self._stats = self._snapshot()  # before idling, so load reports are never a turn stale
-            self._lora = self._lora_snapshot()
+            self._queues = self._queue_view()
             if not self._engine.has_work:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
@@ -357,9 +367,10 @@ class ThreadedEngine:
             num_dropped_by_priority=kv.pool.num_dropped_by_priority,
         )
 
-    def _lora_snapshot(self) -> LoraLoad:
+    def _queue_view(self) -> QueueView:
         scheduler = self._engine.scheduler
-        return _adapters(scheduler.running), _adapters(scheduler.waiting)
+        return QueueView(self._engine.handoffs.num_awaiting_kv, _adapters(scheduler.running),
+                         _adapters(scheduler.waiting))
 
     @property
     def _bytes_per_block(self) -> int:

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.common.stats import EngineStats
 from pdserve.engine.core.request_stats import StepStats
-from pdserve.worker.async_engine import LoraLoad, ThreadedEngine
+from pdserve.worker.async_engine import QueueView, ThreadedEngine
 
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason strings, and ours
@@ -45,7 +45,7 @@ def export_engine(registry: CollectorRegistry, engine: ThreadedEngine, model_nam
     """Put `engine`'s series in `registry`, labelled with the served model name."""
     recorder = EngineMetrics(registry, model_name, engine.info().max_model_len)
     engine.add_step_stats_listener(recorder.record)
-    registry.register(EngineSnapshotCollector(engine.stats, engine.lora_load, model_name))
+    registry.register(EngineSnapshotCollector(engine.stats, engine.queues, model_name))
 
 
 class EngineMetrics:
@@ -110,10 +110,10 @@ class EngineSnapshotCollector(Collector):
     """Load, prefix-cache and KV tier series from the engine's last snapshot, read at scrape time
     (the snapshot is replaced whole by the engine thread, so reading it needs no lock)."""
 
-    def __init__(self, stats: Callable[[], EngineStats], lora: Callable[[], LoraLoad], model_name: str,
+    def __init__(self, stats: Callable[[], EngineStats], queues: Callable[[], QueueView], model_name: str,
                  max_loras: int = 0, engine: str = "0") -> None:
         self._stats = stats
-        self._lora = lora
+        self._queues = queues
         self._values = [model_name, engine]
         self._max_loras = max_loras
 
@@ -121,14 +121,15 @@ class EngineSnapshotCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        yield from self._vllm(stats)
-        yield self._lora_info()
+        stats, queues = self._stats(), self._queues()
+        yield from self._vllm(stats, queues)
+        yield self._lora_info(queues)
         yield from _tier_series(stats)
 
-    def _vllm(self, stats: EngineStats) -> Iterator[Metric]:
+    def _vllm(self, stats: EngineStats, queues: QueueView) -> Iterator[Metric]:
+        waiting = stats.num_waiting + queues.num_awaiting_kv
         gauges = (("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
-                  ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+                  ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
                   ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage))
         counters = (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                      stats.prefix_cache_queried_tokens),
@@ -144,13 +145,13 @@ class EngineSnapshotCollector(Collector):
             family.add_metric(self._values, value)
             yield family
 
-    def _lora_info(self) -> Metric:
+    def _lora_info(self, queues: QueueView) -> Metric:
         """vLLM's `lora_requests_info`: adapters in use as label values, the value the time of
         the reading (vLLM sets it to the current time at each record)."""
-        running, waiting = self._lora()
         family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                    labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-        family.add_metric([str(self._max_loras), ",".join(waiting), ",".join(running)], time.time())
+        family.add_metric([str(self._max_loras), ",".join(queues.waiting_adapters), ",".join(queues.running_adapters)],
+                          time.time())
         return family
 
 

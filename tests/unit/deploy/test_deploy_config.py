@@ -16,6 +16,7 @@ from pdserve.common.stats import EngineStats, WorkerRole
 from pdserve.common.tls import TlsConfig
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.serve.certs import main as certs_main
+from pdserve.worker.async_engine import QueueView
 from pdserve.worker.engine_metrics import EngineMetrics, EngineSnapshotCollector
 from pdserve.worker.metrics import TransferMetrics
 
@@ -179,7 +180,7 @@ def exported_series_names() -> set[str]:
     transfer.local_prefills.labels("no_prefill_worker").inc()
     EngineMetrics(transfer.registry, "m", 512)
     snapshot = EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
-    transfer.registry.register(EngineSnapshotCollector(lambda: snapshot, lambda: ((), ()), "m"))
+    transfer.registry.register(EngineSnapshotCollector(lambda: snapshot, QueueView, "m"))
     text = router.render().decode() + generate_latest(transfer.registry).decode()
     return {re.split(r"[{ ]", line)[0] for line in text.splitlines() if line and not line.startswith("#")}
 

@@ -7,6 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.stats import EngineStats
 from pdserve.engine.core.request_stats import FinishedSeq, PrefillDone, StepStats
+from pdserve.worker.async_engine import QueueView
 from pdserve.worker.engine_metrics import EngineMetrics, EngineSnapshotCollector, build_1_2_5_buckets
 
 LABELS = {"model_name": "tiny", "engine": "0"}
@@ -63,13 +64,14 @@ def test_ttft_buckets_reach_past_the_600_s_first_output_timeout_and_token_bucket
 
 def test_the_snapshot_gives_load_cache_and_tier_series_with_their_types() -> None:
     registry = CollectorRegistry()
-    registry.register(EngineSnapshotCollector(lambda: STATS, lambda: (("7",), ("3", "7")), "tiny", max_loras=4))
+    queues = QueueView(num_awaiting_kv=2, running_adapters=("7",), waiting_adapters=("3", "7"))
+    registry.register(EngineSnapshotCollector(lambda: STATS, lambda: queues, "tiny", max_loras=4))
     found = families(registry)
     assert {name: (found[name].type, value(found[name], suffix, **LABELS)) for name, suffix in (
         ("vllm:num_requests_running", ""), ("vllm:num_requests_waiting", ""), ("vllm:kv_cache_usage_perc", ""),
         ("vllm:prefix_cache_queries", "_total"), ("vllm:prefix_cache_hits", "_total"),
         ("vllm:num_preemptions", "_total"))} == {
-        "vllm:num_requests_running": ("gauge", 3.0), "vllm:num_requests_waiting": ("gauge", 4.0),
+        "vllm:num_requests_running": ("gauge", 3.0), "vllm:num_requests_waiting": ("gauge", 6.0),  # 4 + 2 for KV
         "vllm:kv_cache_usage_perc": ("gauge", 0.25), "vllm:prefix_cache_queries": ("counter", 500.0),
         "vllm:prefix_cache_hits": ("counter", 200.0), "vllm:num_preemptions": ("counter", 1.0)}
     (lora,) = found["vllm:lora_requests_info"].samples

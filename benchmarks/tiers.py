@@ -35,7 +35,7 @@ from serving_stack import COMMAND, READY_TIMEOUT_S, free_port, stop_process, wor
 
 WORDS = ("river bridge lamp stair keeper night harbor stone window market garden letter winter "
          "engine signal valley forest copper mirror candle orbit thunder meadow castle").split()
-COUNTERS = ("pdserve_kv_onboarded_blocks_total", "pdserve_kv_loaded_blocks_total", "pdserve_prefix_cache_hits_total")
+COUNTERS = ("pdserve_kv_onboarded_blocks_total", "pdserve_kv_loaded_blocks_total", "vllm:prefix_cache_hits_total")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,11 +58,13 @@ class Served:
     """`pdserve serve --aggregated` with `flags`, its HTTP client and its tier counters."""
 
     def __init__(self, model: str, flags: list[str], log: Path) -> None:
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # the one worker's own series
         self._log = open(log, "w")  # noqa: SIM115 - closed in close()
         self._process = subprocess.Popen([*COMMAND, "serve", "--aggregated", "--model", model, "--port", str(port),
-                                          "--max-model-len", "2048", "--log-level", "warning", *flags], stdout=self._log, stderr=subprocess.STDOUT)
+                                          "--metrics-port", str(metrics_port), "--max-model-len", "2048",
+                                          "--log-level", "warning", *flags], stdout=self._log, stderr=subprocess.STDOUT)
         started = time.monotonic()
         while not self._ready():
             if self._process.poll() is not None or time.monotonic() - started > READY_TIMEOUT_S:
@@ -96,9 +98,9 @@ class Served:
         assert ttft is not None and usage is not None
         return ttft, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], "".join(pieces)
 
-    def counters(self, settle_s: float = 1.2) -> dict[str, float]:
-        time.sleep(settle_s)  # the router polls its workers' stats twice a second
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+    def counters(self, settle_s: float = 0.2) -> dict[str, float]:
+        time.sleep(settle_s)  # the worker's snapshot follows its engine loop
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             lines = response.read().decode().splitlines()
         return {name: sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
                 for name in COUNTERS}

@@ -83,6 +83,21 @@ def free_port() -> int:
             return port
 
 
+def free_port_pair() -> int:
+    """A free loopback port whose successor is free too (`pdserve serve --metrics-port` gives
+    worker i the base + i); neither handed out before in this test session."""
+    while True:
+        base = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        if base + 1 not in _HANDED_OUT:
+            _HANDED_OUT.add(base + 1)
+            return base
+
+
 def plain_text(args: Sequence[str]) -> list[str]:
     """`pdserve worker|router` args with `--insecure-internal` unless they give `--tls-dir`: tests
     of other things reach workers with plain-text clients; test_internal_tls.py runs mutual TLS."""

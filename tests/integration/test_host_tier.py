@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.stack import free_port, make_tiny_checkpoint, start_serve
+from tests.integration.stack import free_port, free_port_pair, make_tiny_checkpoint, start_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -27,13 +27,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def serve(checkpoint: Path, directory: Path, *topology: str,
-          host_cache: str = "1MiB") -> tuple[subprocess.Popen, str]:
-    port = free_port()
+          host_cache: str = "1MiB") -> tuple[subprocess.Popen, str, list[str]]:
+    """serve, its URL, and its workers' metrics URLs (serve gives worker i the metrics base + i)."""
+    port, metrics = free_port(), free_port_pair()
     process, _ = start_serve(directory, [
-        "--model", str(checkpoint), "--port", str(port), "--device", "cpu", "--dtype", "float32",
-        "--max-model-len", "512", "--max-kv-tokens", "1024", "--host-cache-size", host_cache, "--cache-dir", "",
-        "--startup-timeout", "150", *topology])
-    return process, f"http://127.0.0.1:{port}"
+        "--model", str(checkpoint), "--port", str(port), "--metrics-port", str(metrics), "--device", "cpu",
+        "--dtype", "float32", "--max-model-len", "512", "--max-kv-tokens", "1024", "--host-cache-size", host_cache,
+        "--cache-dir", "", "--startup-timeout", "150", *topology])
+    num_workers = 1 if "--aggregated" in topology else 2
+    return process, f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{metrics + i}/metrics" for i in range(num_workers)]
 
 
 def complete(url: str, prompt: str) -> tuple[str, int, dict[str, str]]:
@@ -45,13 +47,15 @@ def complete(url: str, prompt: str) -> tuple[str, int, dict[str, str]]:
     return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"], route
 
 
-def metric(url: str, name: str, at_least: float, timeout_s: float = 10.0) -> float:
-    """The router's sum of `name` over its workers, once it reaches `at_least` (the router polls
-    its workers' stats twice a second) or `timeout_s` passes."""
+def metric(urls: list[str], name: str, at_least: float, timeout_s: float = 10.0) -> float:
+    """The sum of `name` over the workers' metrics, once it reaches `at_least` (a worker's
+    snapshot follows its engine loop) or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while True:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            lines = response.read().decode().splitlines()
+        lines = []
+        for url in urls:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                lines += response.read().decode().splitlines()
         value = sum(float(line.rsplit(" ", 1)[1]) for line in lines
                     if line.startswith(name + " ") or line.startswith(name + "{"))
         if value >= at_least or time.monotonic() > deadline:
@@ -62,17 +66,17 @@ def metric(url: str, name: str, at_least: float, timeout_s: float = 10.0) -> flo
 @pytest.mark.parametrize("topology", [("--aggregated",), ()], ids=["aggregated", "disaggregated"])
 def test_a_prompt_pushed_out_of_the_device_cache_comes_back_from_the_host_tier(checkpoint: Path, tmp_path: Path,
                                                                               topology: tuple[str, ...]) -> None:
-    process, url = serve(checkpoint, tmp_path, *topology)
+    process, url, metrics = serve(checkpoint, tmp_path, *topology)
     try:
         first, cached, _ = complete(url, PROMPT)
         assert cached == 0
         for prompt in FLUSH:
             complete(url, prompt)
-        assert metric(url, "pdserve_kv_offloaded_blocks_total", 5) >= 5
+        assert metric(metrics, "pdserve_kv_offloaded_blocks_total", 5) >= 5
         again, cached, route = complete(url, PROMPT)
         assert again == first
         assert cached >= 64  # four or more of its five full blocks, from the host tier
-        assert metric(url, "pdserve_kv_onboarded_blocks_total", 4) >= 4
+        assert metric(metrics, "pdserve_kv_onboarded_blocks_total", 4) >= 4
         if not topology:  # the decode worker had it: nothing to prefill remotely, nothing to send
             assert route["prefilled_by"] == "local", route
     finally:
@@ -83,7 +87,7 @@ def test_a_prompt_pushed_out_of_the_device_cache_comes_back_from_the_host_tier(c
 def test_blocks_written_to_disk_at_a_graceful_stop_are_found_after_a_restart(checkpoint: Path, tmp_path: Path) -> None:
     disk = tmp_path / "kv-disk"
     flags = ("--aggregated", "--disk-cache-dir", str(disk), "--disk-cache-size", "8MiB")
-    process, url = serve(checkpoint, tmp_path / "first", *flags)
+    process, url, _ = serve(checkpoint, tmp_path / "first", *flags)
     try:
         first, _, _ = complete(url, PROMPT)
         for prompt in FLUSH:  # the prompt's blocks move down to the host tier
@@ -92,11 +96,11 @@ def test_blocks_written_to_disk_at_a_graceful_stop_are_found_after_a_restart(che
         process.terminate()  # a graceful stop: the worker writes its host tier to disk
         assert process.wait(60) == 0
     assert len(list(disk.rglob("*.kv"))) >= 5
-    process, url = serve(checkpoint, tmp_path / "second", *flags)
+    process, url, metrics = serve(checkpoint, tmp_path / "second", *flags)
     try:
         again, cached, _ = complete(url, PROMPT)
         assert (again, cached >= 64) == (first, True)
-        assert metric(url, "pdserve_kv_loaded_blocks_total", 4) >= 4
+        assert metric(metrics, "pdserve_kv_loaded_blocks_total", 4) >= 4
     finally:
         process.terminate()
         process.wait(60)

@@ -219,7 +219,7 @@ def test_request_id_header_is_echoed(base_url: str) -> None:
     assert generated.json()["id"].startswith("cmpl-")
 
 
-def test_metrics_count_requests_and_expose_worker_figures(tokenizer: Tokenizer) -> None:
+def test_metrics_count_requests_and_leave_worker_figures_to_the_workers(tokenizer: Tokenizer) -> None:
     app = create_app(WordBackend(tokenizer), tokenizer, model_info(tokenizer))  # fresh counters
     with serve(app) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, temperature=0)
@@ -232,9 +232,7 @@ def test_metrics_count_requests_and_expose_worker_figures(tokenizer: Tokenizer) 
     assert "pdserve_time_to_first_token_seconds_count 1.0" in lines
     assert "pdserve_time_per_output_token_seconds_count 1.0" in lines
     assert "pdserve_e2e_request_latency_seconds_count 1.0" in lines
-    assert {"pdserve_num_requests_running 2.0", "pdserve_num_requests_waiting 1.0",
-            "pdserve_kv_blocks_in_use 24.0", "pdserve_prefix_cache_queries_total 300.0",
-            "pdserve_prefix_cache_hits_total 120.0", "pdserve_worker_stats_up 1.0"} <= lines
+    assert not [line for line in lines if "num_requests" in line or "prefix_cache" in line or "vllm:" in line]
 
 
 def test_chat_stream_with_n_opens_every_choice_first(client: openai.OpenAI) -> None:

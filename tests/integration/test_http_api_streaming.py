@@ -136,8 +136,8 @@ def test_health_and_metrics_when_the_worker_does_not_answer(http: httpx.Client, 
         "param": None, "code": 503}})
     assert (ready.status_code, ready.json()) == (503, health.json())
     assert http.get("/health/live").status_code == 200
-    assert "pdserve_worker_stats_up 0.0" in metrics.text.splitlines()
-    assert "pdserve_num_requests_running" not in metrics.text
+    assert metrics.status_code == 200  # the router's own figures need no worker
+    assert "pdserve_http_requests_total" in metrics.text
 
 
 def test_client_disconnect_before_the_first_token_closes_the_worker_stream(

@@ -26,6 +26,7 @@ from pdserve.worker.admission import BoundedEngine
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine, cpu_summary
 from pdserve.worker.kv_events import kv_events_service
+from pdserve.worker.engine_metrics import export_engine
 from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.roles import build_role, close_role, run_background
 from pdserve.worker.server import serve_until_stopped
@@ -91,6 +92,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     if engine.engine.runner.device.type == "cpu":
         log.info("CPU: %s", cpu_summary(engine.engine, apply_worker_runtime_defaults()))
     metrics = TransferMetrics()
+    export_engine(metrics.registry, engine, settings.model_name)
     parts = build_role(settings, engine, metrics, tls)
     if settings.metrics_port is not None:
         port = metrics.serve(settings.host, settings.metrics_port)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -19,11 +20,23 @@ from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.core.request_stats import StepStats
 from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
 from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent, Tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    """What the worker's metrics read beyond `EngineStats` (which the router's load polls carry):
+    requests whose prompt's KV is still on its way from a peer (vLLM counts them as waiting), and
+    the LoRA adapters of running and of waiting requests."""
+
+    num_awaiting_kv: int = 0
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -44,6 +57,7 @@ class _Admit:
     admitted: asyncio.Future
     prefill_only: bool
     hold_lease_s: float
+    arrival_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +70,7 @@ class _AdmitForDecode:
     remote_possible: bool
     min_remote_tokens: int
     lease_s: float
+    arrival_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +110,9 @@ class ThreadedEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stats = self._snapshot()
+        self._queues = QueueView()
         self._kv_event_listeners: list[Callable[[list[KvEvent]], None]] = []
+        self._step_stats_listeners: list[Callable[[StepStats], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     @property
@@ -116,11 +133,20 @@ class ThreadedEngine:
         `kv.cached_blocks_by_tier()` via `call`). The listener must not block."""
         self._kv_event_listeners.append(listener)
 
+    def add_step_stats_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call `listener(stats)` on the engine thread after each loop iteration that produced
+        request figures (the engine's clock is `time.monotonic`). The listener must not block."""
+        self._step_stats_listeners.append(listener)
+
     def info(self) -> ModelInfo:
         return self._info
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def queues(self) -> QueueView:
+        """As of the last loop turn."""
+        return self._queues
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
                        prefill_only: bool = False, hold_lease_s: float = 30.0) -> AsyncIterator[RequestOutput]:
@@ -129,7 +155,7 @@ class ThreadedEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
         admitted = loop.create_future()
-        self._send(_Admit(request, stream, admitted, prefill_only, hold_lease_s))
+        self._send(_Admit(request, stream, admitted, prefill_only, hold_lease_s, time.monotonic()))
         await self._until_admitted(request.request_id, admitted)
         async for output in self.outputs(request, stream.outputs):
             yield output
@@ -143,7 +169,8 @@ class ThreadedEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
         verdict = loop.create_future()
-        self._send(_AdmitForDecode(request, stream, verdict, remote_possible, min_remote_tokens, lease_s))
+        self._send(_AdmitForDecode(request, stream, verdict, remote_possible, min_remote_tokens, lease_s,
+                                   time.monotonic()))
         return await self._until_admitted(request.request_id, verdict), stream.outputs
 
     async def outputs(self, request: GenerationRequest, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -213,7 +240,9 @@ class ThreadedEngine:
                 self._step()
             self._deliver(self._engine.reap_expired_leases())
             self._publish_kv_events()
+            self._publish_step_stats()
             self._stats = self._snapshot()  # before idling, so load reports are never a turn stale
+            self._queues = self._queue_view()
             if not self._engine.has_work:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
@@ -237,7 +266,7 @@ class ThreadedEngine:
 
     def _admit(self, command: _Admit) -> None:
         try:
-            self._engine.add_request(command.request, command.prefill_only, command.hold_lease_s)
+            self._engine.add_request(command.request, command.prefill_only, command.hold_lease_s, command.arrival_s)
         except Exception as exc:  # a typed error for the caller, raised in its own loop
             command.stream.loop.call_soon_threadsafe(_set_exception, command.admitted, exc)
             return
@@ -253,13 +282,14 @@ class ThreadedEngine:
                     verdict = DecodeVerdict(None, "few_missing_tokens")
                 else:
                     try:
-                        verdict = DecodeVerdict(engine.reserve_remote(request, command.lease_s), None)
+                        verdict = DecodeVerdict(engine.reserve_remote(request, command.lease_s, command.arrival_s),
+                                                None)
                     except OutOfBlocksError:
                         verdict = DecodeVerdict(None, "no_free_blocks")
                     except TransferError:  # a block of its cached prefix could not be read back
                         verdict = DecodeVerdict(None, "lower_tier_read_failed")
             if verdict.claim is None:
-                engine.add_request(request)
+                engine.add_request(request, arrival_s=command.arrival_s)
         except Exception as exc:  # a typed error for the caller, raised in its own loop
             command.stream.loop.call_soon_threadsafe(_set_exception, command.verdict, exc)
             return
@@ -308,6 +338,12 @@ class ThreadedEngine:
             for listener in self._kv_event_listeners:
                 listener(events)
 
+    def _publish_step_stats(self) -> None:
+        stats = self._engine.take_step_stats()
+        if stats:
+            for listener in self._step_stats_listeners:
+                listener(stats)
+
     def _snapshot(self) -> EngineStats:
         kv = self._engine.kv
         scheduler = self._engine.scheduler
@@ -331,10 +367,19 @@ class ThreadedEngine:
             num_dropped_by_priority=kv.pool.num_dropped_by_priority,
         )
 
+    def _queue_view(self) -> QueueView:
+        scheduler = self._engine.scheduler
+        return QueueView(self._engine.handoffs.num_awaiting_kv, _adapters(scheduler.running),
+                         _adapters(scheduler.waiting))
+
     @property
     def _bytes_per_block(self) -> int:
         block = self._engine.runner.kv_tensor[0]
         return block.numel() * block.element_size()
+
+
+def _adapters(seqs) -> tuple[str, ...]:
+    return tuple(sorted({str(s.request.lora_id) for s in seqs if s.request.lora_id is not None}))
 
 
 def _set_value(future: asyncio.Future, value: object) -> None:

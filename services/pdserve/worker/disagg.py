@@ -135,6 +135,7 @@ class DecodeEngine:
             await self._engine.fail_remote(request.request_id, self._config.recompute_on_failure,
                                            f"KV transfer from {peer.address} failed: {exc}")
             return False
-        self._metrics.transferred("received", result.num_blocks, result.num_bytes, time.perf_counter() - start)
+        self._metrics.transferred("received", result.num_blocks, result.num_bytes)
+        self._metrics.remote_prefill_seconds.observe(time.perf_counter() - start)
         await self._engine.complete_remote(request.request_id, result.first_token, result.logprob)
         return True

@@ -62,13 +62,12 @@ class PrefillService:
         return Hello(self._transport.worker_id, self._transport.local_metadata(), self._deployment_id)
 
     async def prefill(self, order: PrefillOrder) -> PrefillResult:
-        start = time.perf_counter()
         try:
             result = await self._prefill(order)
         except PdserveError:
             self._metrics.failures.labels("sent").inc()
             raise
-        self._metrics.transferred("sent", result.num_blocks, result.num_bytes, time.perf_counter() - start)
+        self._metrics.transferred("sent", result.num_blocks, result.num_bytes)
         return result
 
     async def _prefill(self, order: PrefillOrder) -> PrefillResult:
@@ -94,8 +93,10 @@ class PrefillService:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferError(f"deadline passed before writing {request_id!r}")
+            started = time.perf_counter()
             transfer = asyncio.ensure_future(asyncio.to_thread(self._write, order, source, remaining))
             await asyncio.shield(transfer)  # a call cancelled mid-write leaves the write to finish or stop
+            self._metrics.transfer_seconds.observe(time.perf_counter() - started)
         finally:
             self._release_when_settled(request_id, transfer)
         num_bytes = len(source) * self._transport.spec.bytes_per_block

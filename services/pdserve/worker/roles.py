@@ -24,7 +24,7 @@ from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.disagg import DecodeEngine, DisaggConfig
 from pdserve.worker.kv_peers import PrefillPeers
-from pdserve.worker.metrics import TransferMetrics
+from pdserve.worker.metrics import LOCAL_PREFILL_REASONS, TransferMetrics
 from pdserve.worker.prefill_service import PrefillService
 
 BUSY_POLL_S = 0.001
@@ -47,8 +47,10 @@ def build_role(settings: WorkerSettings, threaded: ThreadedEngine, metrics: Tran
     transport = make_transport(settings, threaded)
     deployment = settings.deployment_id or ""
     if settings.role == WorkerRole.PREFILL:
+        metrics.start_at_zero("sent")
         service = PrefillService(threaded, transport, metrics, deployment)
         return RoleParts(threaded, [lambda s: add_kv_transfer_service(s, service)], transport)
+    metrics.start_at_zero("received", LOCAL_PREFILL_REASONS)
     peers = PrefillPeers(transport, deployment_id=deployment, tls=tls)
     config = DisaggConfig(WorkerId(settings.peer_name), settings.disagg_min_prefill_tokens,
                           settings.kv_transfer_timeout_s,

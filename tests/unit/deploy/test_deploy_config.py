@@ -23,6 +23,8 @@ from pdserve.common.stats import EngineStats, WorkerRole
 from pdserve.common.tls import TlsConfig
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.serve.certs import main as certs_main
+from pdserve.worker.async_engine import QueueView
+from pdserve.worker.engine_metrics import EngineMetrics, EngineSnapshotCollector
 from pdserve.worker.metrics import TransferMetrics
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -209,26 +211,58 @@ def test_kustomization_lists_every_manifest() -> None:
 
 
 def exported_series_names() -> set[str]:
-    """Every series name the router (with a worker stats snapshot) and a worker's metrics port
-    expose once each labelled family has a child."""
+    """Every series name the router and a worker's metrics port expose once each labelled
+    family has a child (a worker with engine figures, a transfer each way and a fallback)."""
     router, transfer = RouterMetrics(), TransferMetrics()
     router.count_request("/v1/completions", 200)
-    transfer.transferred("push", 1, 1, 0.1)
+    transfer.transferred("sent", 1, 1)
+    transfer.failures.labels("received").inc()
+    transfer.local_prefills.labels("no_prefill_worker").inc()
+    EngineMetrics(transfer.registry, "m", 512)
     snapshot = EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
-    text = router.render(snapshot).decode() + generate_latest(transfer.registry).decode()
+    transfer.registry.register(EngineSnapshotCollector(lambda: snapshot, QueueView, "m"))
+    text = router.render().decode() + generate_latest(transfer.registry).decode()
     return {re.split(r"[{ ]", line)[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def load_dashboard() -> dict:
+    return json.loads((DEPLOY / "grafana" / "dashboards" / "pdserve.json").read_text())
+
+
+def series_in(expr: str) -> set[str]:
+    return set(re.findall(r"(?:pdserve_|vllm:)\w+", expr))
+
+
 def test_dashboard_asks_only_for_exported_series() -> None:
-    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pdserve.json").read_text())
+    dashboard = load_dashboard()
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    used = {name for e in exprs for name in re.findall(r"pdserve_\w+", e)}
-    assert used == {
-        "pdserve_http_requests_total", "pdserve_time_to_first_token_seconds_bucket",
-        "pdserve_time_per_output_token_seconds_bucket", "pdserve_kv_blocks_in_use", "pdserve_kv_blocks_total",
-        "pdserve_prefix_cache_hits_total", "pdserve_prefix_cache_queries_total", "pdserve_kv_transfer_bytes_total",
-    }
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = {name for e in exprs for name in series_in(e)}
     assert used - exported_series_names() == set()
+    assert {"vllm:e2e_request_latency_seconds_bucket", "pdserve_kv_transfer_failures_total",
+            "pdserve_local_prefills_total", "vllm:time_to_first_token_seconds_bucket",
+            "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= used
+
+
+def test_dashboard_imports_into_any_grafana_through_a_datasource_variable() -> None:
+    dashboard = load_dashboard()
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["type"] == "datasource"]
+    assert (variable["name"], variable["query"]) == ("datasource", "prometheus")
+    sources = [p["datasource"] for p in dashboard["panels"]]
+    sources += [t["datasource"] for p in dashboard["panels"] for t in p["targets"]]
+    sources += [v["datasource"] for v in dashboard["templating"]["list"] if "datasource" in v]
+    assert sources and all(s == {"type": "prometheus", "uid": "${datasource}"} for s in sources)
+
+
+def test_prometheus_and_the_provisioned_datasource_fit_the_dashboard() -> None:
+    """Grafana's provisioned Prometheus is the default data source the variable picks, and
+    Prometheus labels each worker target with the `role` the transfer panels group by."""
+    (source,) = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())[
+        "datasources"]
+    assert source["type"] == "prometheus" and source["isDefault"] is True
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (workers,) = [job for job in config["scrape_configs"] if job["job_name"] == "pdserve-workers"]
+    assert sorted(group["labels"]["role"] for group in workers["static_configs"]) == ["decode", "prefill"]
 
 
 def test_image_installs_cpu_torch_and_the_model_as_the_makefile_does_from_the_index_or_wheels() -> None:

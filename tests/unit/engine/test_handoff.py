@@ -187,3 +187,15 @@ def test_an_id_whose_remote_prefill_was_aborted_is_refused_until_its_blocks_are_
     assert d.kv.num_used_blocks == 0 and not d.kv.has_request(RequestId("r"))
     d.kv.check_integrity()
     d.add_request(request("r", [1, 2, 3]))
+
+
+def test_only_sequences_whose_kv_has_not_landed_await_it():
+    """vLLM counts them as waiting; a prefill worker's held blocks are not."""
+    p, d = make_engine(), make_engine()
+    req = request("r", list(range(10, 31)))
+    claim = d.reserve_remote(req, lease_s=5.0)
+    first = _prefill(p, req)
+    assert (d.handoffs.num_awaiting_kv, p.handoffs.num_awaiting_kv, len(p.handoffs)) == (1, 0, 1)
+    _copy_kv(p, d, p.held_block_ids(req.request_id), claim.block_ids)
+    d.complete_remote(req.request_id, first)
+    assert d.handoffs.num_awaiting_kv == 0

@@ -41,6 +41,11 @@ class Handoffs:
     def num_quarantined(self) -> int:
         return len(self._quarantine)
 
+    @property
+    def num_awaiting_kv(self) -> int:
+        """Decode side: sequences whose prompt's KV has not landed yet."""
+        return sum(seq.status is SeqStatus.REMOTE_PREFILL for seq in self._seqs.values())
+
     def reserve(self, seq: Sequence, lease_s: float) -> None:
         """Decode side: `seq`'s blocks are claimed; the rest of its prompt's KV comes from a peer."""
         seq.status = SeqStatus.REMOTE_PREFILL

@@ -17,6 +17,7 @@ import torch
 
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker, StopPiece
 from pdserve.engine.core.handoff import Handoffs
+from pdserve.engine.core.request_stats import SeqTimes, StepStats
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput, TokenLogprob
@@ -56,19 +57,22 @@ class LLMEngine:
         self._clock = clock
         self.handoffs = Handoffs(kv, lambda: self._clock())  # sequences waiting on a KV transfer, with leases
         self._guides: GuideCompiler | None = None  # built from the tokenizer on the first guided request
+        self._step_stats = StepStats()
 
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
-    def add_request(self, request: GenerationRequest, prefill_only: bool = False, hold_lease_s: float = 30.0) -> None:
+    def add_request(self, request: GenerationRequest, prefill_only: bool = False, hold_lease_s: float = 30.0,
+                    arrival_s: float | None = None) -> None:
         """Queue a request; InvalidRequestError / DuplicateRequestError leave the engine unchanged.
 
         `prefill_only`: finish after the first token and keep the blocks (HELD) until
         `release_held` or the lease ends, so a peer can receive the prompt's KV.
+        `arrival_s`: when the worker received it, on this engine's clock (None: now).
         """
         self._validate(request)
-        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids), arrival_s)
         seq.cache_request().validate()
         seq.prefill_only = prefill_only
         seq.hold_lease_s = hold_lease_s
@@ -96,6 +100,7 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        started = self._clock()
         chunks = self.scheduler.schedule()
         unread = self._move_between_tiers()
         if unread:
@@ -110,9 +115,16 @@ class LLMEngine:
                 self._record_prompt_logprobs(chunk.seq, seq_chunk, logits)
             self.kv.mark_computed(chunk.seq.seq_id, chunk.num_tokens)
             chunk.seq.num_computed_tokens += chunk.num_tokens
+            if chunk.seq.times.scheduled_s is None:
+                chunk.seq.times.scheduled_s = started
             if seq_chunk.needs_logits:
                 sampled_rows += [(seq, logits[-1]) for seq in self._siblings_to_sample(chunk.seq)]
         return self._sample_and_emit(sampled_rows)
+
+    def take_step_stats(self) -> StepStats:
+        """The request figures of the steps since the last call (for the worker's metrics)."""
+        stats, self._step_stats = self._step_stats, StepStats()
+        return stats
 
     def _move_between_tiers(self) -> set[BlockId]:
         """Make the queued copies between tiers; the device blocks whose copy back failed, which
@@ -141,14 +153,15 @@ class LLMEngine:
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
         return len(request.prompt_token_ids) - self.kv.analyze_prefix_reuse(seq.cache_request()).num_cached_tokens
 
-    def reserve_remote(self, request: GenerationRequest, lease_s: float) -> ClaimResult:
+    def reserve_remote(self, request: GenerationRequest, lease_s: float, arrival_s: float | None = None) -> ClaimResult:
         """Decode side: claim blocks for the whole prompt (its cached prefix reused locally).
 
         The prompt's remaining KV is expected from a peer before `lease_s` passes; then call
         `complete_remote` or `fail_remote`. OutOfBlocksError leaves nothing reserved.
         """
         self._validate(request)
-        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids), arrival_s)
+        seq.times.scheduled_s, seq.times.prefilled_here = self._clock(), False
         claim = self.kv.add_sequence(seq.cache_request())
         if self._move_between_tiers() & set(claim.block_ids):  # before a peer writes into the blocks
             self.kv.free(seq.seq_id)
@@ -165,7 +178,7 @@ class LLMEngine:
             return []
         self.scheduler.resume(seq)
         self.sampler.skip(SamplingRow(seq.request.sampling, seq.generator), self.vocab_size)  # the peer's draw
-        return [self._advance(seq, first_token, logprob)]
+        return [self._advance(seq, first_token, logprob, self._clock())]
 
     def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> list[RequestOutput]:
         """Decode side: the transfer failed, but a write may still land in the reserved blocks (a
@@ -175,6 +188,7 @@ class LLMEngine:
         if seq.aborted:
             return []
         if recompute:
+            seq.times.scheduled_s, seq.times.prefilled_here = None, True
             seq.status = SeqStatus.WAITING
             self.scheduler.add(seq)
             return []
@@ -247,14 +261,16 @@ class LLMEngine:
             raise DuplicateRequestError(f"request id {request_id!r} is in use on this worker (a live request, "
                                         "or KV blocks still held under it)")
 
-    def _new_sequence(self, request: GenerationRequest, index: int, token_ids: list[int]) -> Sequence:
+    def _new_sequence(self, request: GenerationRequest, index: int, token_ids: list[int],
+                      arrival_s: float | None = None) -> Sequence:
         seq_id = request.request_id if index == 0 else RequestId(f"{request.request_id}#{index}")
         sampling = request.sampling
         generator = None if sampling.seed is None else make_generator(sampling.seed, index, self.runner.device)
         return Sequence(
             seq_id, request, index, token_ids, self._detokenizer(request),
             StopChecker(sampling.stop, sampling.include_stop_str_in_output),
-            next(self._arrivals), generator, self._guide_matcher(request),
+            next(self._arrivals), SeqTimes(self._clock() if arrival_s is None else arrival_s), generator,
+            self._guide_matcher(request),
         )
 
     def _guide_matcher(self, request: GenerationRequest) -> GuideMatcher | None:
@@ -300,7 +316,7 @@ class LLMEngine:
             return [seq]
         forked = [seq]
         for index in range(1, seq.request.sampling.n):
-            child = self._new_sequence(seq.request, index, list(seq.token_ids))
+            child = self._new_sequence(seq.request, index, list(seq.token_ids), seq.times.arrival_s)
             child.prompt_logprobs = seq.prompt_logprobs
             family.append(child)
             try:
@@ -313,6 +329,7 @@ class LLMEngine:
                 self.runner.copy_blocks([copy[0]], [copy[1]])
             child.status = SeqStatus.RUNNING
             child.num_computed_tokens = seq.num_computed_tokens
+            child.times.scheduled_s = seq.times.scheduled_s
             self.scheduler.running.append(child)
             forked.append(child)
         return forked
@@ -324,12 +341,11 @@ class LLMEngine:
         sampled = self.sampler.sample(logits, [SamplingRow(s.request.sampling, s.generator, s.guide,
                                                            TokenHistory(s.token_ids, s.num_prompt_tokens))
                                                for s, _ in rows])
-        outputs = []
-        for (seq, _), token in zip(rows, sampled):
-            outputs.append(self._advance(seq, token.token_id, token.logprob))
-        return outputs
+        now = self._clock()
+        return [self._advance(seq, token.token_id, token.logprob, now) for (seq, _), token in zip(rows, sampled)]
 
-    def _advance(self, seq: Sequence, token_id: int, logprob) -> RequestOutput:
+    def _advance(self, seq: Sequence, token_id: int, logprob, now: float) -> RequestOutput:
+        self._step_stats.token(seq.times, seq.num_prompt_tokens, not seq.prefill_only, now)
         seq.token_ids.append(token_id)
         self.kv.append_tokens(seq.seq_id, [token_id])
         sampling = seq.request.sampling
@@ -391,5 +407,7 @@ class LLMEngine:
         self._requests.pop(seq.request.request_id, None)
 
     def _output(self, seq: Sequence, token_ids: Seq[int], text: str, reason: str | None, logprobs=()) -> RequestOutput:
+        if reason is not None and not seq.prefill_only:  # a prefill-only sequence ends on the decode worker
+            self._step_stats.finish(seq.times, reason, seq.num_prompt_tokens, seq.num_output_tokens, self._clock())
         return RequestOutput(seq.request.request_id, seq.index, tuple(token_ids), text, tuple(logprobs), reason,
                              seq.num_prompt_tokens, seq.num_cached_tokens)

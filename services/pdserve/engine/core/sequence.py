@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
+from pdserve.engine.core.request_stats import SeqTimes
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, TokenLogprob
 from pdserve.kvcache import CacheRequest
@@ -30,6 +31,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     stops: StopChecker
     arrival: int  # admission order; the latest arrival is preempted first
+    times: SeqTimes  # for the metrics: arrival, first run, first and last token
     generator: object | None = None  # torch.Generator for a seeded request
     guide: object | None = None  # GuideMatcher over the output tokens, when the output is guided
     status: SeqStatus = SeqStatus.WAITING

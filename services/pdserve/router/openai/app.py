@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.ids import RequestId
-from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.common.stats import ModelInfo
 from pdserve.router.backend import GenerateBackend, Routing
 from pdserve.router.openai.admission import PendingLimit
 from pdserve.router.openai.access.guard import RequireApiKey, tenant_of
@@ -149,7 +149,7 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(ctx.metrics.render(await _stats(ctx)), media_type=CONTENT_TYPE_LATEST)
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _answer(request: Request, ctx: ServingContext, routing: Routing | None, handler: Handler,
@@ -219,15 +219,6 @@ async def _readiness(ctx: ServingContext) -> Response:
     except Exception as exc:
         return ApiError(503, f"not ready: the generation service is not answering ({type(exc).__name__})").to_response()
     return Response(status_code=200)
-
-
-async def _stats(ctx: ServingContext) -> EngineStats | None:
-    """The worker's stats, or None when it does not answer within `STATS_TIMEOUT_S`."""
-    try:
-        return await asyncio.wait_for(ctx.backend.stats(), STATS_TIMEOUT_S)
-    except Exception as exc:  # any failure means "no figures"; /health turns it into 503
-        _log.info("stats query failed: %s", type(exc).__name__)
-        return None
 
 
 class _CountRequests:

@@ -1,21 +1,24 @@
 """Prometheus metrics of one router app, in a registry of its own (two apps never share series).
 
-Latencies are observed here as the router sees them: time to first token and end-to-end per
-HTTP request, time per output token per completion choice. Load and prefix-cache figures are
-the worker's, refreshed from `GenerateBackend.stats()` when `/metrics` is scraped.
+The router exports only what it measures itself: HTTP requests by route and status, requests in
+progress, and latencies as the client sees them (routing, tokenization and gRPC included) under
+`pdserve_*` names; TTFT and end-to-end latency use vLLM's buckets, which reach past the 600 s
+first-output timeout. Model-server series (`vllm:*`, load, KV cache) are each worker's own, on its
+`--metrics-port`: a router that summed the workers currently up would make counters drop whenever
+a worker left rotation.
 """
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from pdserve.common.request import RequestOutput
-from pdserve.common.stats import EngineStats
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# vLLM's time_to_first_token_seconds and e2e_request_latency_seconds buckets
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -30,78 +33,21 @@ class RouterMetrics:
             "pdserve_http_requests_in_progress", "Generation requests in progress (bounded by --max-pending-requests)",
             registry=reg)
         self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds", "Request arrival to its first generated token",
-            buckets=_LATENCY_BUCKETS, registry=reg)
+            "pdserve_time_to_first_token_seconds", "HTTP request arrival to its first generated token",
+            buckets=TTFT_BUCKETS, registry=reg)
         self.tpot = Histogram(
             "pdserve_time_per_output_token_seconds", "Mean time per token after the first, per choice",
             buckets=_TPOT_BUCKETS, registry=reg)
         self.e2e = Histogram(
-            "pdserve_e2e_request_latency_seconds", "Request arrival to its last token",
-            buckets=_LATENCY_BUCKETS, registry=reg)
-        self.worker = WorkerStatsCollector()
-        reg.register(self.worker)
+            "pdserve_e2e_request_latency_seconds", "HTTP request arrival to its last token",
+            buckets=E2E_BUCKETS, registry=reg)
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        """The exposition text, with worker figures from `stats` (None: the query failed)."""
-        self.worker.stats = stats
+    def render(self) -> bytes:
+        """The exposition text."""
         return generate_latest(self.registry)
-
-
-class WorkerStatsCollector(Collector):
-    """Exposes the worker's last `EngineStats` snapshot; cumulative figures as counters."""
-
-    def __init__(self) -> None:
-        self.stats: EngineStats | None = None
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())  # series depend on whether a snapshot exists
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self.stats
-        yield GaugeMetricFamily("pdserve_worker_stats_up", "1 if the last stats query succeeded",
-                                value=0 if stats is None else 1)
-        if stats is None:
-            return
-        gauges = {
-            "pdserve_num_requests_running": ("Requests in the worker's batch", stats.num_running),
-            "pdserve_num_requests_waiting": ("Requests queued in the worker", stats.num_waiting),
-            "pdserve_kv_blocks_in_use": ("KV blocks referenced by requests", stats.num_used_blocks),
-            "pdserve_kv_blocks_total": ("KV blocks in the worker's pool", stats.num_total_blocks),
-            "pdserve_kv_host_blocks": ("KV blocks the host tier can hold", stats.num_host_blocks),
-            "pdserve_kv_host_cached_blocks": ("KV blocks held in the host tier", stats.num_host_cached_blocks),
-            "pdserve_kv_disk_blocks": ("KV blocks the disk tier can hold", stats.num_disk_blocks),
-            "pdserve_kv_disk_cached_blocks": ("KV blocks held in the disk tier", stats.num_disk_cached_blocks),
-            "pdserve_kv_host_cached_bytes": ("Bytes of KV blocks held in the host tier", stats.num_host_cached_bytes),
-            "pdserve_kv_disk_cached_bytes": ("Bytes of KV block files in the disk tier", stats.num_disk_cached_bytes),
-        }
-        counters = {
-            "pdserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
-                                             stats.prefix_cache_queried_tokens),
-            "pdserve_prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.prefix_cache_hit_tokens),
-            "pdserve_preemptions": ("Requests preempted by the worker", stats.num_preemptions),
-            "pdserve_kv_offloaded_blocks": ("KV blocks copied from the device to the host tier",
-                                            stats.num_offloaded_blocks),
-            "pdserve_kv_onboarded_blocks": ("KV blocks copied back from the host tier (prefix hits there)",
-                                            stats.num_onboarded_blocks),
-            "pdserve_kv_spilled_blocks": ("KV blocks written from the host tier to disk", stats.num_spilled_blocks),
-            "pdserve_kv_loaded_blocks": ("KV blocks read back from disk (prefix hits there)", stats.num_loaded_blocks),
-            "pdserve_kv_disk_corrupt_blocks": ("Disk block files that failed their checksum (used as misses)",
-                                               stats.num_corrupt_disk_blocks),
-            "pdserve_prefix_cache_host_hits": ("Prompt tokens found in the host tier (part of the prefix cache hits)",
-                                               stats.prefix_cache_host_hit_tokens),
-            "pdserve_prefix_cache_disk_hits": ("Prompt tokens found in the disk tier (part of the prefix cache hits)",
-                                               stats.prefix_cache_disk_hit_tokens),
-            "pdserve_kv_dropped_by_priority_blocks": ("KV blocks dropped on eviction because their retention priority "
-                                                      "is below --secondary-offload-min-priority",
-                                                      stats.num_dropped_by_priority),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
 
 
 @dataclass(slots=True)

@@ -2,12 +2,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.ids import RequestId
 from pdserve.common.request import RequestOutput
-from pdserve.common.stats import EngineStats
 from pdserve.router.openai.metrics import RequestTimer, RouterMetrics
-
-STATS = EngineStats(num_running=3, num_waiting=4, num_free_blocks=10, num_total_blocks=32, num_used_blocks=22,
-                    num_prefill_tokens_queued=0, prefix_cache_queried_tokens=500, prefix_cache_hit_tokens=200,
-                    num_preemptions=1)
 
 
 def samples(text: bytes) -> dict[str, float]:
@@ -22,20 +17,22 @@ def output(index: int, num_tokens: int, finish: str | None = None) -> RequestOut
     return RequestOutput(RequestId("r"), index, tuple(range(num_tokens)), "t" * num_tokens, finish_reason=finish)
 
 
-def test_worker_figures_follow_the_last_snapshot() -> None:
+def test_the_router_exports_only_its_own_figures() -> None:
+    """Worker figures are each worker's own (its --metrics-port): a router sum over the workers
+    up would make counters drop when one left rotation."""
     metrics = RouterMetrics()
-    values = samples(metrics.render(STATS))
-    assert {k: values[k] for k in (
-        "pdserve_worker_stats_up", "pdserve_num_requests_running", "pdserve_num_requests_waiting",
-        "pdserve_kv_blocks_in_use", "pdserve_kv_blocks_total", "pdserve_prefix_cache_queries_total",
-        "pdserve_prefix_cache_hits_total", "pdserve_preemptions_total")} == {
-        "pdserve_worker_stats_up": 1.0, "pdserve_num_requests_running": 3.0, "pdserve_num_requests_waiting": 4.0,
-        "pdserve_kv_blocks_in_use": 22.0, "pdserve_kv_blocks_total": 32.0,
-        "pdserve_prefix_cache_queries_total": 500.0, "pdserve_prefix_cache_hits_total": 200.0,
-        "pdserve_preemptions_total": 1.0}
-    down = samples(metrics.render(None))
-    assert down["pdserve_worker_stats_up"] == 0.0
-    assert "pdserve_num_requests_running" not in down
+    metrics.count_request("/v1/completions", 200)
+    names = {family.name for family in text_string_to_metric_families(metrics.render().decode())
+             if not family.name.endswith("_created")}
+    assert names == {"pdserve_http_requests", "pdserve_http_requests_in_progress",
+                     "pdserve_time_to_first_token_seconds", "pdserve_time_per_output_token_seconds",
+                     "pdserve_e2e_request_latency_seconds"}
+
+
+def test_ttft_buckets_reach_past_the_600_s_first_output_timeout() -> None:
+    values = samples(RouterMetrics().render())
+    assert values["pdserve_time_to_first_token_seconds_bucket[('le', '640.0')]"] == 0.0
+    assert values["pdserve_e2e_request_latency_seconds_bucket[('le', '960.0')]"] == 0.0
 
 
 def test_timer_observes_ttft_once_and_tpot_per_multi_token_choice() -> None:
@@ -46,7 +43,7 @@ def test_timer_observes_ttft_once_and_tpot_per_multi_token_choice() -> None:
     timer.on_output(1, output(1, 1, "stop"))
     timer.on_output(0, output(0, 2, "length"))
     timer.finish()
-    values = samples(metrics.render(None))
+    values = samples(metrics.render())
     assert values["pdserve_time_to_first_token_seconds_count"] == 1.0
     assert values["pdserve_time_per_output_token_seconds_count"] == 1.0  # choice 1 had a single token
     assert values["pdserve_e2e_request_latency_seconds_count"] == 1.0
@@ -55,5 +52,5 @@ def test_timer_observes_ttft_once_and_tpot_per_multi_token_choice() -> None:
 def test_two_apps_never_share_series() -> None:
     first, second = RouterMetrics(), RouterMetrics()
     first.count_request("/v1/completions", 200)
-    assert samples(first.render(None))["pdserve_http_requests_total[('route', '/v1/completions'), ('status', '200')]"] == 1.0
-    assert not any(k.startswith("pdserve_http_requests_total[") for k in samples(second.render(None)))
+    assert samples(first.render())["pdserve_http_requests_total[('route', '/v1/completions'), ('status', '200')]"] == 1.0
+    assert not any(k.startswith("pdserve_http_requests_total[") for k in samples(second.render()))

@@ -17,9 +17,11 @@ import torch
 
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
 from pdserve.engine.core.handoff import Handoffs
-from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
+from pdserve.common.errors import (ConfigError, DuplicateRequestError, InvalidRequestError, OutOfBlocksError,
+                                   TransferError)
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
+from pdserve.engine.loading.lora_files import LoraCheckpoint
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.host_store import TierStore
 from pdserve.engine.model.sampler import Sampler, SamplingRow, check_sampling_params, make_generator
@@ -52,6 +54,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._clock = clock
         self.handoffs = Handoffs(kv, lambda: self._clock())  # sequences waiting on a KV transfer, with leases
+        self._unloading_loras: set[int] = set()  # adapters refused to new requests, dropped once unused
 
     @property
     def has_work(self) -> bool:
@@ -92,6 +95,7 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        self._drop_unused_loras()
         chunks = self.scheduler.schedule()
         unread = self._move_between_tiers()
         if unread:
@@ -206,6 +210,31 @@ class LLMEngine:
     def num_lease_expiries(self) -> int:
         return self.handoffs.num_lease_expiries
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+
+    def add_lora(self, checkpoint: LoraCheckpoint) -> None:
+        """Load an adapter (ConfigError, changing nothing, when it cannot be); one being unloaded
+        is taken back."""
+        if self.runner.lora is None:
+            raise ConfigError("enable_lora", False, "this worker serves no LoRA adapters (start it with --enable-lora)")
+        self.runner.lora.add(checkpoint)
+        self._unloading_loras.discard(checkpoint.lora_id)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """New requests for the adapter are refused from now on; its weights go once no live
+        request uses them (a running one finishes under the adapter it started with)."""
+        if self.runner.lora is not None and lora_id in self.runner.lora:
+            self._unloading_loras.add(lora_id)
+            self._drop_unused_loras()
+
+    def _drop_unused_loras(self) -> None:
+        if not self._unloading_loras:
+            return
+        in_use = {seqs[0].request.lora_id for seqs in self._requests.values() if seqs}
+        for lora_id in self._unloading_loras - in_use:
+            self.runner.lora.remove(lora_id)
+        self._unloading_loras &= in_use
+
     # ---- internals -----------------------------------------------------------------------------
 
     def _validate(self, request: GenerationRequest) -> None:
@@ -223,6 +252,9 @@ class LLMEngine:
         if not 1 <= request.sampling.n <= self.config.max_num_seqs:
             raise InvalidRequestError(f"n={request.sampling.n}: must be in 1..{self.config.max_num_seqs}", "n")
         check_sampling_params(request.sampling)  # here, not first in a step that samples it with others
+        lora_id, loras = request.lora_id, self.runner.lora
+        if lora_id is not None and (loras is None or lora_id not in loras or lora_id in self._unloading_loras):
+            raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded on this worker", "model")
 
     def _check_id_free(self, request_id: RequestId) -> None:
         """InvalidRequestError for an id with a reserved mark; DuplicateRequestError while it names
@@ -252,8 +284,8 @@ class LLMEngine:
         seq = chunk.seq
         start = seq.num_computed_tokens
         end = start + chunk.num_tokens
-        return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:end]), start,
-                        tuple(self.kv.block_ids(seq.seq_id)), needs_logits=end == len(seq.token_ids))
+        return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:end]), start, tuple(self.kv.block_ids(seq.seq_id)),
+                        needs_logits=end == len(seq.token_ids), lora_id=seq.request.lora_id)
 
     def _siblings_to_sample(self, seq: Sequence) -> list[Sequence]:
         """`seq`, plus its n-1 siblings forked off it when its prompt has just been computed."""

@@ -11,17 +11,18 @@ ALL_PROJECTIONS = ATTENTION + ("gate_proj", "up_proj", "down_proj")
 
 
 def make_adapter(base: torch.nn.Module, directory: Path, seed: int, targets: tuple[str, ...] = ALL_PROJECTIONS,
-                 r: int = 8, alpha: int = 16, use_rslora: bool = False) -> PeftModel:
+                 r: int = 8, alpha: int = 16, use_rslora: bool = False, scale: float = 0.3) -> PeftModel:
     """Save a random adapter of `base` in `directory` (both halves random: `init_lora_weights=False`,
-    so it changes the output); returns the PEFT model (on a copy of `base`) for reference outputs."""
+    so it changes the output; each half times `scale`, to suit the base's weights); returns the
+    PEFT model (on a copy of `base`) for reference outputs."""
     torch.manual_seed(seed)
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
                         use_rslora=use_rslora, lora_dropout=0.0)
     model = get_peft_model(copy.deepcopy(base), config).eval()
-    with torch.no_grad():  # PEFT's kaiming init of both halves makes deltas far larger than the weights
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
-                param.mul_(0.3)
+                param.mul_(scale)
     model.save_pretrained(directory)
     return model
 

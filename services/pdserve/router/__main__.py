@@ -81,7 +81,7 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
     limits = ApiLimits(first_output_timeout_s=settings.first_output_timeout_s, output_timeout_s=settings.output_timeout_s,
                        max_pending_requests=settings.max_pending_requests)
     app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend,
-                     api_keys=api_keys, protect_metrics=settings.protect_metrics)
+                     api_keys=api_keys, protect_metrics=settings.protect_metrics, loras=backend)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     _log.info("serving %s from %d worker(s), %s routing, on http://%s:%d",

@@ -1,6 +1,8 @@
 """The router's FastAPI app: OpenAI-compatible routes over one `GenerateBackend`.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /metrics`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (the base model and
+its LoRA adapters, each with its `parent`), `POST /v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` (`lora_routes.py`), `GET /metrics`,
 `GET /openapi.json` (request bodies described from their models, `openapi.py`), and
 health: `GET /health/live` (liveness: 200 while the router answers HTTP), `GET /health/ready`
 (readiness: 200 while a decode-capable worker is in rotation, else 503 naming why) and `GET /health`
@@ -27,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.common.errors import PdserveError
 from pdserve.common.ids import RequestId
 from pdserve.common.stats import EngineStats, ModelInfo
-from pdserve.router.backend import GenerateBackend, Routing
+from pdserve.router.backend import GenerateBackend, LoraAdapters, Routing
 from pdserve.router.openai.admission import PendingLimit
 from pdserve.router.openai.access.guard import RequireApiKey, tenant_of
 from pdserve.router.openai.access.keys import ApiKeys
@@ -35,6 +37,7 @@ from pdserve.router.openai.chat import create_chat_completion
 from pdserve.router.openai.completions import create_completion
 from pdserve.router.openai.errors import ApiError, from_exception, install_error_handlers
 from pdserve.router.openai.logprobs import LogprobFormatter
+from pdserve.router.openai.lora_routes import LOAD_PATH, UNLOAD_PATH, add_lora_routes
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.router.openai.openapi import describe_request_bodies, request_body
 from pdserve.router.openai.prompts import PromptTokenizer
@@ -47,7 +50,8 @@ MAX_REQUEST_ID_CHARS = 256
 ROUTE_HEADER = "X-Pdserve-Route"
 _STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, metrics count it
 _GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
-_ROUTES = _GENERATION_ROUTES | {"/v1/models", "/health", "/health/live", "/health/ready", "/metrics"}
+_ROUTES = _GENERATION_ROUTES | {"/v1/models", "/health", "/health/live", "/health/ready", "/metrics", LOAD_PATH,
+                                UNLOAD_PATH}
 _log = logging.getLogger(__name__)
 Handler = Callable[[Request, ServingContext, str], Awaitable[Response]]
 
@@ -61,12 +65,14 @@ def create_app(
     routing: Routing | None = None,
     api_keys: ApiKeys | None = None,
     protect_metrics: bool = False,
+    loras: LoraAdapters | None = None,
 ) -> FastAPI:
     """An app serving `info`'s model (under `model_name` if given); it closes `backend` on shutdown.
     `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself).
-    `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too."""
+    `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too.
+    `loras`: the LoRA adapters served (None: none; loads answer 400)."""
     ctx = ServingContext(backend, tokenizer, info, model_name or info.model_name, limits, RouterMetrics(),
-                         LogprobFormatter(tokenizer))
+                         LogprobFormatter(tokenizer), loras=loras)
     if routing is not None:
         ctx.metrics.registry.register(routing.metrics_collector())
 
@@ -87,6 +93,7 @@ def create_app(
     app.add_middleware(_CountRequests, metrics=ctx.metrics)  # the outer one: refusals are counted too
     _add_generation_routes(app, ctx, routing)
     _add_status_routes(app, ctx)
+    add_lora_routes(app, loras)
     describe_request_bodies(app, (CompletionRequest, ChatCompletionRequest))
     return app
 
@@ -104,8 +111,11 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext, routing: Routing |
 def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(id=ctx.model_name, max_model_len=ctx.info.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=ctx.model_name, max_model_len=ctx.info.max_model_len)]
+        adapters = ctx.loras.lora_adapters() if ctx.loras is not None else ()
+        cards += [ModelCard(id=a.name, root=a.path, parent=ctx.model_name, max_model_len=ctx.info.max_model_len)
+                  for a in adapters]
+        return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
     @app.get("/health/live")
     async def live() -> Response:

@@ -95,6 +95,7 @@ class _Chat:
 async def create_chat_completion(request: Request, ctx: ServingContext, response_id: str) -> Response:
     body = parse_body(await read_body(request, ctx.limits.max_body_bytes), ChatCompletionRequest)
     ctx.check_model(body.model)
+    ctx = ctx.for_model(body.model)
     check_chat_supported(body)
     prompt = chat_prompt(body, ctx.tokenizer, ctx.info.max_model_len)
     if body.max_completion_tokens is not None:

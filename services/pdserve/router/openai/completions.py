@@ -87,6 +87,7 @@ def _extend(total: CompletionLogprobs | None, step: CompletionLogprobs) -> Compl
 async def create_completion(request: Request, ctx: ServingContext, response_id: str) -> Response:
     body = parse_body(await read_body(request, ctx.limits.max_body_bytes), CompletionRequest)
     ctx.check_model(body.model)
+    ctx = ctx.for_model(body.model)
     check_completion_supported(body)
     info = ctx.info
     prompts = completion_prompts(body, ctx.tokenizer, info.vocab_size, info.max_model_len)

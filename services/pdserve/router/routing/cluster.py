@@ -1,7 +1,8 @@
 """The router's view of its workers: the pool (registration, health, load), the prefix index,
 and one KV event subscriber per worker in rotation, wired together.
 
-A worker coming up gets a subscriber (which syncs its index part from a snapshot); a worker
+A worker coming up gets a subscriber (which syncs its index part from a snapshot) and, once
+the cluster has started, the LoRA adapters loaded since it started (`lora_catalog.py`); a worker
 going down loses its subscriber and its index entries. A subscriber whose stream breaks
 with UNAVAILABLE takes its worker out of rotation.
 """
@@ -16,6 +17,7 @@ from pdserve.kvcache import HASH_ALGORITHM
 from pdserve.rpc.worker_client import GrpcBackend
 from pdserve.rpc.kv_events_client import KvEventsClient
 from pdserve.router.routing.kv_subscriber import EventSource, KvEventSubscriber
+from pdserve.router.routing.lora_catalog import LoraCatalog
 from pdserve.router.routing.prefix_index import PrefixIndex
 from pdserve.router.routing.registration import cluster_info
 from pdserve.router.routing.routing_metrics import RoutingCollector, RoutingCounters
@@ -46,6 +48,8 @@ class Cluster:
         make_events = events or (lambda address: KvEventsClient(address, config.rpc_timeout_s, tls=config.tls))
         self._event_sources = {WorkerId(a): make_events(a) for a in config.addresses}
         self._subscribers: dict[WorkerId, asyncio.Task] = {}
+        self.loras: LoraCatalog | None = None  # once started
+        self._syncs: set[asyncio.Task] = set()
 
     def _connect(self, address: str) -> GrpcBackend:
         return GrpcBackend(address, rpc_timeout_s=self._config.rpc_timeout_s,
@@ -53,7 +57,9 @@ class Cluster:
 
     async def start(self) -> ModelInfo:
         """Register the workers (see `WorkerPool.start`); the model the cluster serves."""
-        return cluster_info(await self.pool.start())
+        infos = await self.pool.start()
+        self.loras = LoraCatalog(self.pool, infos)
+        return cluster_info(infos)
 
     def collector(self) -> RoutingCollector:
         return RoutingCollector(self.counters, self.pool, self.index)
@@ -65,6 +71,10 @@ class Cluster:
                                        self.counters, self.pool.mark_down, self._config.rpc_timeout_s)
         self._stop_subscriber(handle.address)
         self._subscribers[handle.address] = asyncio.create_task(subscriber.run(), name=f"kv-{handle.address}")
+        if self.loras is not None and self.loras.lora_adapters():
+            sync = asyncio.create_task(self.loras.sync_worker(handle), name=f"lora-{handle.address}")
+            self._syncs.add(sync)
+            sync.add_done_callback(self._syncs.discard)
 
     def worker_down(self, handle: WorkerHandle) -> None:
         self._stop_subscriber(handle.address)
@@ -76,7 +86,7 @@ class Cluster:
             task.cancel()
 
     async def close(self) -> None:
-        tasks = [task for task in self._subscribers.values() if not task.done()]
+        tasks = [task for task in [*self._subscribers.values(), *self._syncs] if not task.done()]
         for task in tasks:
             task.cancel()
         if tasks:

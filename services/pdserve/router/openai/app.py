@@ -2,7 +2,7 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (the base model and
 its LoRA adapters, each with its `parent`), `POST /v1/load_lora_adapter` and
-`/v1/unload_lora_adapter` (`lora_routes.py`), `GET /metrics`,
+`/v1/unload_lora_adapter` (`lora/routes.py`), `GET /metrics`,
 `GET /openapi.json` (request bodies described from their models, `openapi.py`), and
 health: `GET /health/live` (liveness: 200 while the router answers HTTP), `GET /health/ready`
 (readiness: 200 while a decode-capable worker is in rotation, else 503 naming why) and `GET /health`
@@ -37,7 +37,7 @@ from pdserve.router.openai.chat import create_chat_completion
 from pdserve.router.openai.completions import create_completion
 from pdserve.router.openai.errors import ApiError, from_exception, install_error_handlers
 from pdserve.router.openai.logprobs import LogprobFormatter
-from pdserve.router.openai.lora_routes import LOAD_PATH, UNLOAD_PATH, add_lora_routes
+from pdserve.router.openai.lora.routes import LOAD_PATH, UNLOAD_PATH, add_lora_routes
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.router.openai.openapi import describe_request_bodies, request_body
 from pdserve.router.openai.prompts import PromptTokenizer

@@ -23,6 +23,7 @@ _MODELS: tuple[type[BaseModel], ...] = (
     protocol.StreamOptions,
     protocol.PriorityRangeBody,
     protocol.ResponseFormat,
+    protocol.LoadLoraAdapterRequest,
 )
 _FIELD_NAMES = frozenset(name for model in _MODELS for name in model.model_fields)
 

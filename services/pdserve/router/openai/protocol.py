@@ -119,3 +119,14 @@ class ChatCompletionRequest(SamplingBody):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
+
+
+class LoadLoraAdapterRequest(StrictModel):
+    """`POST /v1/load_lora_adapter` (vLLM's body): the adapter's name and its folder on the workers."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(StrictModel):
+    lora_name: str = Field(min_length=1, max_length=256)

@@ -6,27 +6,17 @@ started without `--enable-lora` answer 400, an unknown name on unload 404 (OpenA
 The backend loads the adapter on every worker (the router's `routing/lora_catalog.py`).
 """
 from fastapi import FastAPI
-from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from pdserve.router.backend import LoraAdapters
 from pdserve.router.openai.body import parse_body, read_body
 from pdserve.router.openai.errors import bad_request, from_exception
-from pdserve.router.openai.protocol import StrictModel
+from pdserve.router.openai.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 MAX_BODY_BYTES = 64 * 1024
-
-
-class LoadLoraAdapterRequest(StrictModel):
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1, max_length=4096)
-
-
-class UnloadLoraAdapterRequest(StrictModel):
-    lora_name: str = Field(min_length=1, max_length=256)
 
 
 def add_lora_routes(app: FastAPI, loras: LoraAdapters | None) -> None:

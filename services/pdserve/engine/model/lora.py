@@ -97,7 +97,7 @@ class LoraAdapters:
             if layer >= self._config.num_layers:
                 raise ConfigError("lora_path", checkpoint.path, f"layer {layer}: the model has "
                                   f"{self._config.num_layers} layers (an adapter of another model?)")
-            expected = _shape(self._config, name)
+            expected = projection_shape(self._config, name)
             if (module.b.shape[0], module.a.shape[1]) != expected:
                 raise ConfigError("lora_path", checkpoint.path, f"layer {layer} {name}: shape "
                                   f"{(module.b.shape[0], module.a.shape[1])}, the model's is {expected} "
@@ -142,9 +142,9 @@ class LoraAdapters:
         present = [(name, checkpoint.modules.get((layer, name))) for name in names]
         if all(module is None for _, module in present):
             return None
-        widths = [_shape(self._config, name)[0] for name in names]
+        widths = [projection_shape(self._config, name)[0] for name in names]
         total_rank = sum(m.rank for _, m in present if m is not None)
-        a = torch.zeros(total_rank, _shape(self._config, names[0])[1])
+        a = torch.zeros(total_rank, projection_shape(self._config, names[0])[1])
         b = torch.zeros(sum(widths), total_rank)
         out, rank = 0, 0
         for (_, module), width in zip(present, widths):
@@ -159,7 +159,7 @@ class LoraAdapters:
         return tensor.to(device=self._device, dtype=self._dtype).contiguous()
 
 
-def _shape(c: ModelConfig, name: str) -> tuple[int, int]:
+def projection_shape(c: ModelConfig, name: str) -> tuple[int, int]:
     """(out, in) of projection `name` in the base model."""
     q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     return {"q_proj": (q_width, c.hidden_size), "k_proj": (kv_width, c.hidden_size),

@@ -41,7 +41,8 @@ from pdserve.router.openai.lora.routes import LOAD_PATH, UNLOAD_PATH, add_lora_r
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.router.openai.openapi import describe_request_bodies, request_body
 from pdserve.router.openai.prompts import PromptTokenizer
-from pdserve.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
+                                            UnloadLoraAdapterRequest)
 from pdserve.router.openai.responses import ModelCard, ModelList
 from pdserve.router.openai.serving import ApiLimits, ClientGone, ServingContext, new_response_id
 
@@ -94,7 +95,8 @@ def create_app(
     _add_generation_routes(app, ctx, routing)
     _add_status_routes(app, ctx)
     add_lora_routes(app, loras)
-    describe_request_bodies(app, (CompletionRequest, ChatCompletionRequest))
+    describe_request_bodies(app, (CompletionRequest, ChatCompletionRequest, LoadLoraAdapterRequest,
+                                  UnloadLoraAdapterRequest))
     return app
 
 

@@ -12,6 +12,7 @@ from starlette.responses import PlainTextResponse, Response
 from pdserve.router.backend import LoraAdapters
 from pdserve.router.openai.body import parse_body, read_body
 from pdserve.router.openai.errors import bad_request, from_exception
+from pdserve.router.openai.openapi import request_body
 from pdserve.router.openai.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
 LOAD_PATH = "/v1/load_lora_adapter"
@@ -22,7 +23,7 @@ MAX_BODY_BYTES = 64 * 1024
 def add_lora_routes(app: FastAPI, loras: LoraAdapters | None) -> None:
     """The two routes; without `loras` (a backend that serves no adapters) both answer 400."""
 
-    @app.post(LOAD_PATH)
+    @app.post(LOAD_PATH, openapi_extra=request_body(LoadLoraAdapterRequest))
     async def load(request: Request) -> Response:
         try:
             body = parse_body(await read_body(request, MAX_BODY_BYTES), LoadLoraAdapterRequest)
@@ -31,7 +32,7 @@ def add_lora_routes(app: FastAPI, loras: LoraAdapters | None) -> None:
             return from_exception(exc).to_response()
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post(UNLOAD_PATH)
+    @app.post(UNLOAD_PATH, openapi_extra=request_body(UnloadLoraAdapterRequest))
     async def unload(request: Request) -> Response:
         try:
             body = parse_body(await read_body(request, MAX_BODY_BYTES), UnloadLoraAdapterRequest)

@@ -53,7 +53,6 @@ class GrpcBackend:
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._loras: worker_pb2_grpc.LoraAdaptersStub | None = None  # on the same channel
-        self._lora_timeout_s = LORA_TIMEOUT_S
 
     def _worker(self) -> worker_pb2_grpc.WorkerStub:
         if self._stub is None:
@@ -61,6 +60,11 @@ class GrpcBackend:
             self._stub = worker_pb2_grpc.WorkerStub(self._channel)
             self._loras = worker_pb2_grpc.LoraAdaptersStub(self._channel)
         return self._stub
+
+    def _lora_adapters(self) -> worker_pb2_grpc.LoraAdaptersStub:
+        self._worker()  # opens the channel the two stubs share
+        assert self._loras is not None
+        return self._loras
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Closing this iterator early (`aclose()`, or
@@ -76,11 +80,12 @@ class GrpcBackend:
         finally:
             call.cancel()  # no-op once the call has ended
 
-    async def _call(self, method: Callable[..., Awaitable[R]], message: Message) -> R:
+    async def _call(self, method: Callable[..., Awaitable[R]], message: Message, timeout_s: float | None = None) -> R:
+        timeout_s = timeout_s or self._rpc_timeout_s
         try:
-            return await method(message, timeout=self._rpc_timeout_s)
+            return await method(message, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, self.address, self._rpc_timeout_s) from exc
+            raise error_from_rpc(exc, self.address, timeout_s) from exc
 
     async def abort(self, request_id: RequestId) -> None:
         await self._call(self._worker().Abort, wpb.AbortRequest(request_id=request_id))
@@ -94,22 +99,14 @@ class GrpcBackend:
         return WorkerInfo(convert.info_from_proto(reply.info), DeploymentId(reply.deployment_id) or None)
 
     async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
-        """Load a LoRA adapter on the worker (its files are read there: `lora_timeout_s`)."""
-        self._worker()
+        """Load a LoRA adapter on the worker (its files are read there, within `LORA_TIMEOUT_S`)."""
         message = wpb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
-        try:
-            reply = await self._loras.LoadLoraAdapter(message, timeout=self._lora_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, self.address, self._lora_timeout_s) from exc
+        reply = await self._call(self._lora_adapters().LoadLoraAdapter, message, LORA_TIMEOUT_S)
         return convert.lora_from_proto(reply.adapter)
 
     async def unload_lora_adapter(self, name: str) -> None:
-        self._worker()
         message = wpb.UnloadLoraAdapterRequest(lora_name=name)
-        try:
-            await self._loras.UnloadLoraAdapter(message, timeout=self._lora_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, self.address, self._lora_timeout_s) from exc
+        await self._call(self._lora_adapters().UnloadLoraAdapter, message, LORA_TIMEOUT_S)
 
     async def check_integrity(self) -> KvIntegrity:
         """The worker's KV cache self-check (see the CheckKvIntegrity RPC)."""

@@ -58,7 +58,7 @@ class LoraStep:
                 continue
             a, b = pair
             if rows is None:
-                y += F.linear(F.linear(x, a), b)
+                y.addmm_(F.linear(x, a), b.t())  # (T, r) @ (r, out)
             else:
                 y.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b))  # (R, out)
         return y

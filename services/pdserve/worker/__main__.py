@@ -6,7 +6,9 @@ Internal gRPC is mutual TLS from `--tls-dir` (the worker's id is the identity in
 certificate), or plain text with `--insecure-internal`, said loudly at start.
 
 The Worker service serves the role's engine behind `BoundedEngine` (at most
-`--max-waiting-requests` waiting; refused while the watchdog finds the engine thread wedged)."""
+`--max-waiting-requests` waiting; refused while the watchdog finds the engine thread wedged);
+the LoraAdapters service, next to it, loads and unloads adapters (`--enable-lora`; refused
+without it)."""
 import asyncio
 import dataclasses
 import logging
@@ -22,12 +24,12 @@ from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
 from pdserve.engine.model.lora import LoraSettings
 from pdserve.kvcache import KvCacheConfig
+from pdserve.rpc.lora_service import add_lora_service
 from pdserve.worker.admission import BoundedEngine
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine, cpu_summary
 from pdserve.worker.kv_events import kv_events_service
 from pdserve.worker.lora_registry import LoraRegistry
-from pdserve.rpc.lora_service import add_lora_service
 from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.roles import build_role, close_role, run_background
 from pdserve.worker.server import serve_until_stopped

@@ -1,16 +1,16 @@
 """The LoRA adapters the router serves, by name, kept in step with its workers.
 
 At start it takes the adapters the workers report (`--lora-modules`); a runtime load or unload
-goes to every registered worker at once and changes the catalog only once every worker that
-answered has done it, so the router never names an adapter that some of its workers lack. A
-worker that (re)joins gets the adapters loaded since it started (`sync_worker`), so a worker
-restarted by `pdserve serve` serves the same adapters as before.
+goes to every worker in rotation at once and changes the catalog only once all of them have done
+it, so the router never names an adapter that a worker it routes to lacks. A worker that
+(re)joins gets the adapters loaded meanwhile (`sync_worker`), so a worker restarted by
+`pdserve serve`, or down during a load, serves the same adapters as the others.
 """
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 
-from pdserve.common.errors import InvalidRequestError, PdserveError, UnknownLoraAdapterError
+from pdserve.common.errors import InvalidRequestError, PdserveError, UnknownLoraAdapterError, WorkerUnavailableError
 from pdserve.common.ids import WorkerId
 from pdserve.common.stats import LoraAdapterInfo, ModelInfo
 from pdserve.router.routing.worker_pool import WorkerHandle, WorkerPool
@@ -68,8 +68,8 @@ class LoraCatalog:
                 log.warning("worker %s could not load LoRA adapter %r: %s", handle.address, adapter.name, exc)
 
     async def _on_every_worker(self, call) -> list:
-        """`call(handle)` on every registered worker at once; results or exceptions, in order."""
-        handles = [h for h in self._pool.handles.values() if h.info is not None]
+        """`call(handle)` on every worker in rotation at once; results or exceptions, in order."""
+        handles = [h for h in self._pool.handles.values() if h.is_up]
         if not handles:
-            raise InvalidRequestError("no worker is registered to load adapters on", "lora_name")
+            raise WorkerUnavailableError(",".join(self._pool.handles), f"no worker is up ({self._pool.why_out()})")
         return await asyncio.gather(*(call(h) for h in handles), return_exceptions=True)

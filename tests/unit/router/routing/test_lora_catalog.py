@@ -12,27 +12,28 @@ from pdserve.common.request import GenerationRequest
 from pdserve.common.stats import LoraAdapterInfo
 from pdserve.router.routing.lora_catalog import LoraCatalog
 from pdserve.router.routing.routed_backend import prompt_block_keys
+from pdserve.router.routing.worker_pool import WorkerPool
 from tests.unit.router.routing.cluster_fakes import TPB, FakeWorker, info, make_pool
 
 A, B = "127.0.0.1:1", "127.0.0.1:2"
 SQL = LoraAdapterInfo("sql", 7, "/adapters/sql")
 
 
-def catalog(**reported: tuple[LoraAdapterInfo, ...]) -> tuple[LoraCatalog, dict[str, FakeWorker]]:
+def catalog(**reported: tuple[LoraAdapterInfo, ...]) -> tuple[LoraCatalog, dict[str, FakeWorker], WorkerPool]:
     workers = {a: FakeWorker(a, dataclasses.replace(info(), lora_adapters=reported.get(n, ())))
                for n, a in (("a", A), ("b", B))}
     pool = make_pool(workers)
     infos = asyncio.run(pool.start())
-    return LoraCatalog(pool, infos), workers
+    return LoraCatalog(pool, infos), workers, pool
 
 
 def test_the_catalog_starts_with_what_the_workers_report() -> None:
-    loras, _ = catalog(a=(SQL,), b=(SQL,))
+    loras, _, _ = catalog(a=(SQL,), b=(SQL,))
     assert loras.lora_adapters() == (SQL,)
 
 
 def test_a_load_reaches_every_worker() -> None:
-    loras, workers = catalog()
+    loras, workers, pool = catalog()
     adapter = asyncio.run(loras.load("chat", "/adapters/chat"))
     assert adapter == LoraAdapterInfo("chat", len("/adapters/chat"), "/adapters/chat")
     assert [list(w.loras) for w in workers.values()] == [["chat"], ["chat"]]
@@ -41,8 +42,20 @@ def test_a_load_reaches_every_worker() -> None:
         asyncio.run(loras.load("chat", "/adapters/other"))
 
 
+def test_a_worker_out_of_rotation_is_left_to_its_rejoin() -> None:
+    loras, workers, pool = catalog()
+    workers[B].is_down = True
+    pool.mark_down(WorkerId(B), "connection refused")
+    asyncio.run(loras.load("chat", "/adapters/chat"))
+    assert list(workers[A].loras) == ["chat"] and workers[B].loras == {}
+    workers[B].is_down = False
+    handle = pool.handles[WorkerId(B)]
+    asyncio.run(loras.sync_worker(handle))
+    assert list(workers[B].loras) == ["chat"]
+
+
 def test_a_load_one_worker_refuses_is_not_served() -> None:
-    loras, workers = catalog()
+    loras, workers, pool = catalog()
     workers[B].lora_error = InvalidRequestError("rank 64 exceeds --max-lora-rank 16", "lora_path")
     with pytest.raises(InvalidRequestError, match="rank 64"):
         asyncio.run(loras.load("chat", "/adapters/chat"))
@@ -50,7 +63,7 @@ def test_a_load_one_worker_refuses_is_not_served() -> None:
 
 
 def test_an_unload_reaches_every_worker_and_tolerates_one_that_lacks_it() -> None:
-    loras, workers = catalog(a=(SQL,))
+    loras, workers, pool = catalog(a=(SQL,))
     workers[A].loras["sql"] = SQL  # B never had it
     asyncio.run(loras.unload("sql"))
     assert loras.lora_adapters() == () and workers[A].loras == {}
@@ -59,7 +72,7 @@ def test_an_unload_reaches_every_worker_and_tolerates_one_that_lacks_it() -> Non
 
 
 def test_an_unload_a_worker_fails_keeps_the_adapter() -> None:
-    loras, workers = catalog(a=(SQL,), b=(SQL,))
+    loras, workers, pool = catalog(a=(SQL,), b=(SQL,))
     workers[B].lora_error = WorkerUnavailableError(B, "connection refused")
     with pytest.raises(WorkerUnavailableError):
         asyncio.run(loras.unload("sql"))
@@ -67,10 +80,8 @@ def test_an_unload_a_worker_fails_keeps_the_adapter() -> None:
 
 
 def test_a_rejoining_worker_gets_the_adapters_loaded_since_it_started() -> None:
-    loras, workers = catalog(a=(SQL,))
-    handle = make_pool({B: workers[B]}).handles[WorkerId(B)]
-    handle.info = asyncio.run(workers[B].info()).model
-    asyncio.run(loras.sync_worker(handle))
+    loras, workers, pool = catalog(a=(SQL,))
+    asyncio.run(loras.sync_worker(pool.handles[WorkerId(B)]))
     assert list(workers[B].loras) == ["sql"]
 
 

@@ -28,7 +28,7 @@ CALL_TIMEOUT_S = 30.0  # a call still running after this is a hung worker (DEADL
 MAX_STREAM_MESSAGES = 1000  # more than any answer within the stack's 128-token context
 ENDLESS_STREAMS = {"pdserve.v1.KvEvents.Subscribe"}  # read one batch, then cancel
 ROLE_SERVICES = {  # which worker of the stack serves which services
-    "worker": ("Worker", "KvEvents"),
+    "worker": ("Worker", "KvEvents", "LoraAdapters"),
     "prefill_worker": ("Worker", "KvEvents", "KvTransfer"),
     "decode_worker": ("Worker", "KvEvents"),
 }

@@ -112,6 +112,36 @@ def parse_names(raw: object) -> tuple[str, ...]:
     return names
 
 
+def parse_lora_modules(raw: object) -> tuple[str, ...]:
+    """LoRA adapters as vLLM's `--lora-modules` takes them: `name=path` items, or JSON objects
+    `{"name": ..., "path": ...}` (a config file may list either); normalized to `name=path`."""
+    items = [raw] if isinstance(raw, str | dict) else raw
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be name=path items")
+    modules = tuple(_lora_module(item) for item in items)
+    names = [m.partition("=")[0] for m in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"adapter names must differ: {', '.join(names)}")
+    return modules
+
+
+def _lora_module(item: object) -> str:
+    if isinstance(item, str) and item.lstrip().startswith("{"):
+        try:
+            item = json.loads(item)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{item!r} is not JSON: {exc}") from None
+    if isinstance(item, dict):
+        name, path = item.get("name"), item.get("path")
+    elif isinstance(item, str):
+        name, _, path = item.partition("=")
+    else:
+        name = path = None
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise ValueError(f"{item!r} is not name=path (or {{\"name\": ..., \"path\": ...}})")
+    return f"{name.strip()}={path.strip()}"
+
+
 def is_api_key_ok(key: str) -> bool:
     return bool(key) and key.isascii() and key.isprintable() and not any(c in key for c in " ,")
 
@@ -189,7 +219,12 @@ class Option:
     @property
     def is_list(self) -> bool:
         """A list flag may be repeated (`--worker a:1 --worker b:2`) or take a comma list."""
-        return self.parse in (parse_addresses, parse_api_keys, parse_names)
+        return self.parse in (parse_addresses, parse_api_keys, parse_names, parse_lora_modules)
+
+    @property
+    def takes_several(self) -> bool:
+        """A flag followed by several values, as vLLM's `--lora-modules a=/x b=/y`."""
+        return self.parse is parse_lora_modules
 
 
 def options_of(cls: type, section: str, rename: Mapping[str, str] | None = None,
@@ -229,7 +264,10 @@ def build_parser(prog: str, options: list[Option]) -> argparse.ArgumentParser:
             parser.add_argument(f"--{o.flag}", action="extend", nargs="+", help=o.help)
             continue
         action = argparse.BooleanOptionalAction if o.is_bool else "append" if o.is_list else "store"
-        parser.add_argument(f"--{o.flag}", action=action, help=o.help)
+        if o.takes_several:
+            parser.add_argument(f"--{o.flag}", action="extend", nargs="+", help=o.help)
+        else:
+            parser.add_argument(f"--{o.flag}", action=action, help=o.help)
     return parser
 
 

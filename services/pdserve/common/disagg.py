@@ -29,6 +29,7 @@ class Hello:
     metadata: bytes
     deployment_id: str = ""
     order_key: bytes = field(default=b"", repr=False)
+    lora_ids: frozenset[int] = frozenset()  # the LoRA adapters this side holds now
 
 
 @dataclass(frozen=True, slots=True)

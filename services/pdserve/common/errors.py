@@ -30,6 +30,10 @@ class UnknownRequestError(PdserveError, KeyError):
         return str(self.args[0]) if self.args else "unknown request"
 
 
+class UnknownLoraAdapterError(PdserveError, LookupError):
+    """A request or an unload names a LoRA adapter that is not loaded (HTTP 404)."""
+
+
 class DuplicateRequestError(PdserveError, ValueError):
     """A request id is already held."""
 

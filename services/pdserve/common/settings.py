@@ -132,6 +132,14 @@ class WorkerSettings:
                        help="auto: the native CPU kernels where they run, else torch ops")
     cache_dir: str | None = opt(factory=default_cache_dir, parse=cv.optional(cv.parse_str),
                                 help="directory keeping GGUF conversions for fast restarts ('' turns it off)")
+    enable_lora: bool = opt(False, parse=cv.parse_bool,
+                            help="serve LoRA adapters (PEFT format) next to the base model; steps then run on "
+                                 "torch ops, not the native CPU kernels")
+    lora_modules: tuple[str, ...] = opt((), parse=cv.parse_lora_modules,
+                                        help="adapters loaded at start: name=path ... (or vLLM's JSON "
+                                             "{\"name\": ..., \"path\": ...}); requests name them as their model")
+    max_loras: int = opt(1, parse=cv.parse_int, help="LoRA adapters loaded at once (so also in one batch)")
+    max_lora_rank: int = opt(16, parse=cv.parse_int, help="highest LoRA rank an adapter may have")
     drain_timeout_s: float = opt(5.0, parse=cv.parse_float, flag="drain-timeout",
                                  help="seconds running requests may finish after SIGTERM")
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
@@ -168,7 +176,11 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         check_positive(self, "kv_transfer_timeout_s", "max_waiting_requests", "engine_step_timeout_s")
         check_positive(self, "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                        "kv_cache_memory", "max_kv_tokens", "num_threads", "drain_timeout_s")
+                        "kv_cache_memory", "max_kv_tokens", "num_threads", "drain_timeout_s", "max_loras",
+                        "max_lora_rank")
+        check(self.enable_lora or not self.lora_modules, "lora_modules", self.lora_modules, "needs --enable-lora")
+        check(len(self.lora_modules) <= self.max_loras, "lora_modules", self.lora_modules,
+              f"more adapters than --max-loras ({self.max_loras})")
         check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size,
                "must be a power of two")
         for name in ("port", "metrics_port", "health_port"):
@@ -189,6 +201,11 @@ class WorkerSettings:
     def model_name(self) -> str:
         """The name the API reports the model under (the first served name)."""
         return self.served_model_name[0] if self.served_model_name else served_name(self.model)
+
+    @property
+    def lora_module_pairs(self) -> tuple[tuple[str, str], ...]:
+        """`lora_modules` as (name, path) pairs."""
+        return tuple((name, path) for name, _, path in (m.partition("=") for m in self.lora_modules))
 
     @property
     def address(self) -> str:

@@ -16,8 +16,19 @@ class WorkerRole(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A LoRA adapter a worker serves: requests name it as their model; `lora_id`, a digest of
+    its files, is the request's `lora_id` and part of every block key computed under it."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """Fixed for a worker's lifetime; the router asks once, at start.
+    """Fixed for a worker's lifetime but for its LoRA adapters; the router asks at start, and
+    learns of adapters loaded later from the loads it forwards.
 
     `block_hash_algorithm` names the block-key digest and its layout version (e.g.
     "sha256-v1"); a router whose own algorithm differs must refuse the worker, since
@@ -31,6 +42,9 @@ class ModelInfo:
     role: WorkerRole
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    lora_enabled: bool = False  # serves LoRA adapters (--enable-lora)
+    max_loras: int = 0  # how many adapters may be loaded at once
+    lora_adapters: tuple[LoraAdapterInfo, ...] = ()  # loaded now; they change at runtime
 
 
 @dataclass(frozen=True, slots=True)

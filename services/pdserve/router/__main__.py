@@ -89,7 +89,8 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
                        keepalive_interval_s=settings.sse_keepalive_interval_s or None)
     app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend,
                      api_keys=api_keys, protect_metrics=settings.protect_metrics, sampling_defaults=sampling_defaults,
-                     tool_calls=ToolCallConfig(settings.enable_auto_tool_choice, settings.tool_call_parser))
+                     tool_calls=ToolCallConfig(settings.enable_auto_tool_choice, settings.tool_call_parser),
+                     loras=backend)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     names = settings.served_model_name or (info.model_name,)

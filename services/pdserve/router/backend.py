@@ -1,7 +1,7 @@
 """What the HTTP layer needs from whatever runs generation (a worker over gRPC, or a test fake)."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from pdserve.common.ids import RequestId
@@ -10,7 +10,7 @@ from pdserve.common.request import GenerationRequest, RequestOutput
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
-    from pdserve.common.stats import EngineStats, ModelInfo
+    from pdserve.common.stats import EngineStats, LoraAdapterInfo, ModelInfo
 
 
 class GenerateBackend(Protocol):
@@ -36,6 +36,22 @@ class GenerateBackend(Protocol):
     async def info(self) -> ModelInfo: ...
 
     async def close(self) -> None: ...
+
+
+class LoraAdapters(Protocol):
+    """The LoRA adapters served next to the base model (vLLM's `--lora-modules` and runtime loads).
+
+    - `lora_adapters()` lists them now (no I/O);
+    - `load_lora_adapter` loads one on every worker: `InvalidRequestError` when the name is taken,
+      the files are no adapter of this model, or the workers serve no LoRA;
+    - `unload_lora_adapter` unloads one everywhere: `UnknownLoraAdapterError` for an unknown name.
+    """
+
+    def lora_adapters(self) -> Sequence[LoraAdapterInfo]: ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo: ...
+
+    async def unload_lora_adapter(self, name: str) -> None: ...
 
 
 class Routing(Protocol):

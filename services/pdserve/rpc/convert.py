@@ -22,7 +22,7 @@ from pdserve.common.request import (
     SamplingParams,
     TokenLogprob,
 )
-from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
+from pdserve.common.stats import EngineStats, LoraAdapterInfo, ModelInfo, WorkerRole
 from pdserve.rpc.gen import request_pb2 as rpb
 from pdserve.rpc.gen import worker_pb2 as wpb
 
@@ -218,7 +218,8 @@ def info_to_proto(info: ModelInfo) -> wpb.ModelInfo:
         model_name=info.model_name, max_model_len=info.max_model_len,
         tokens_per_block=info.tokens_per_block, block_hash_algorithm=info.block_hash_algorithm,
         role=_ROLE_TO_PROTO[info.role], vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
+        eos_token_ids=info.eos_token_ids, lora_enabled=info.lora_enabled, max_loras=info.max_loras,
+        lora_adapters=[lora_to_proto(a) for a in info.lora_adapters],
     )
 
 
@@ -227,5 +228,14 @@ def info_from_proto(msg: wpb.ModelInfo) -> ModelInfo:
         model_name=msg.model_name, max_model_len=msg.max_model_len,
         tokens_per_block=msg.tokens_per_block, block_hash_algorithm=msg.block_hash_algorithm,
         role=_decode(_ROLE_FROM_PROTO, msg.role, "role"), vocab_size=msg.vocab_size,
-        eos_token_ids=tuple(msg.eos_token_ids),
+        eos_token_ids=tuple(msg.eos_token_ids), lora_enabled=msg.lora_enabled, max_loras=msg.max_loras,
+        lora_adapters=tuple(lora_from_proto(a) for a in msg.lora_adapters),
     )
+
+
+def lora_to_proto(adapter: LoraAdapterInfo) -> wpb.LoraAdapter:
+    return wpb.LoraAdapter(name=adapter.name, lora_id=adapter.lora_id, path=adapter.path)
+
+
+def lora_from_proto(msg: wpb.LoraAdapter) -> LoraAdapterInfo:
+    return LoraAdapterInfo(msg.name, msg.lora_id, msg.path)

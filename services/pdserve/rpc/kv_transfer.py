@@ -36,20 +36,21 @@ def result_from_proto(msg: kpb.PrefillResponse) -> PrefillResult:
 
 def hello_to_request(hello: Hello) -> kpb.HandshakeRequest:
     return kpb.HandshakeRequest(worker_id=hello.worker_id, metadata=hello.metadata,
-                                deployment_id=hello.deployment_id, order_key=hello.order_key)
+                                deployment_id=hello.deployment_id, order_key=hello.order_key,
+                                lora_ids=sorted(hello.lora_ids))
 
 
 def hello_from_request(msg: kpb.HandshakeRequest) -> Hello:
-    return Hello(WorkerId(msg.worker_id), msg.metadata, msg.deployment_id, msg.order_key)
+    return Hello(WorkerId(msg.worker_id), msg.metadata, msg.deployment_id, msg.order_key, frozenset(msg.lora_ids))
 
 
 def hello_to_reply(hello: Hello) -> kpb.HandshakeResponse:
     return kpb.HandshakeResponse(worker_id=hello.worker_id, metadata=hello.metadata,
-                                 deployment_id=hello.deployment_id)
+                                 deployment_id=hello.deployment_id, lora_ids=sorted(hello.lora_ids))
 
 
 def hello_from_reply(msg: kpb.HandshakeResponse) -> Hello:
-    return Hello(WorkerId(msg.worker_id), msg.metadata, msg.deployment_id)
+    return Hello(WorkerId(msg.worker_id), msg.metadata, msg.deployment_id, lora_ids=frozenset(msg.lora_ids))
 
 
 __all__ = ["hello_from_reply", "hello_from_request", "hello_to_reply", "hello_to_request", "order_from_proto", "order_to_proto", "result_from_proto",

@@ -16,6 +16,7 @@ from pdserve.common.errors import (
     PdserveError,
     PermissionDeniedError,
     TransferError,
+    UnknownLoraAdapterError,
     UnknownPeerError,
     UnknownRequestError,
     WorkerError,
@@ -27,6 +28,7 @@ from pdserve.common.errors import (
 PARAM_KEY = "pdserve-param"  # trailing metadata: the request field an INVALID_ARGUMENT names
 KIND_KEY = "pdserve-error"  # trailing metadata: which of the errors sharing a code this is
 UNKNOWN_PEER = "unknown-peer"
+UNKNOWN_LORA = "unknown-lora"
 # Details travel in a trailer, which grpc refuses past 16 KiB: an error naming a huge request id
 # would reach the client as RESOURCE_EXHAUSTED (a retryable overload) instead of itself.
 MAX_DETAILS_CHARS = 1024
@@ -35,6 +37,7 @@ _CODES: tuple[tuple[type[PdserveError], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
+    (UnknownLoraAdapterError, grpc.StatusCode.NOT_FOUND),
     (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineWedgedError, grpc.StatusCode.UNAVAILABLE),
@@ -59,6 +62,8 @@ def status_of(exc: PdserveError) -> tuple[grpc.StatusCode, str, Metadata]:
         return code, details, ((PARAM_KEY, exc.param[:MAX_DETAILS_CHARS]),)
     if isinstance(exc, UnknownPeerError):
         return code, details, ((KIND_KEY, UNKNOWN_PEER),)
+    if isinstance(exc, UnknownLoraAdapterError):
+        return code, details, ((KIND_KEY, UNKNOWN_LORA),)
     return code, details, ()
 
 
@@ -79,6 +84,8 @@ def error_from_status(
         return InvalidRequestError(details, dict(metadata).get(PARAM_KEY))
     if code == grpc.StatusCode.ALREADY_EXISTS:
         return DuplicateRequestError(details)
+    if code == grpc.StatusCode.NOT_FOUND and dict(metadata).get(KIND_KEY) == UNKNOWN_LORA:
+        return UnknownLoraAdapterError(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return UnknownRequestError(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION and dict(metadata).get(KIND_KEY) == UNKNOWN_PEER:

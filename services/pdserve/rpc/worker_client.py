@@ -7,7 +7,7 @@ from google.protobuf.message import Message
 
 from pdserve.common.ids import DeploymentId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, KvIntegrity, WorkerInfo
+from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, WorkerInfo
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc import convert
 from pdserve.rpc.gen import worker_pb2 as wpb
@@ -16,6 +16,7 @@ from pdserve.rpc.status import error_from_rpc
 from pdserve.rpc.tls import aio_channel
 
 R = TypeVar("R", bound=Message)
+LORA_TIMEOUT_S = 120.0  # a load reads the adapter's files and moves them to the device
 
 # Pings find a worker that vanished without closing the connection (the worker allows
 # pings every 5 s at most; see worker/server.py). A worker that died is redialled at least
@@ -51,12 +52,19 @@ class GrpcBackend:
         self._generate_timeout_s = generate_timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._loras: worker_pb2_grpc.LoraAdaptersStub | None = None  # on the same channel
 
     def _worker(self) -> worker_pb2_grpc.WorkerStub:
         if self._stub is None:
             self._channel = aio_channel(self.address, self._tls, CHANNEL_OPTIONS)
             self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+            self._loras = worker_pb2_grpc.LoraAdaptersStub(self._channel)
         return self._stub
+
+    def _lora_adapters(self) -> worker_pb2_grpc.LoraAdaptersStub:
+        self._worker()  # opens the channel the two stubs share
+        assert self._loras is not None
+        return self._loras
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Closing this iterator early (`aclose()`, or
@@ -72,11 +80,12 @@ class GrpcBackend:
         finally:
             call.cancel()  # no-op once the call has ended
 
-    async def _call(self, method: Callable[..., Awaitable[R]], message: Message) -> R:
+    async def _call(self, method: Callable[..., Awaitable[R]], message: Message, timeout_s: float | None = None) -> R:
+        timeout_s = timeout_s or self._rpc_timeout_s
         try:
-            return await method(message, timeout=self._rpc_timeout_s)
+            return await method(message, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, self.address, self._rpc_timeout_s) from exc
+            raise error_from_rpc(exc, self.address, timeout_s) from exc
 
     async def abort(self, request_id: RequestId) -> None:
         await self._call(self._worker().Abort, wpb.AbortRequest(request_id=request_id))
@@ -88,6 +97,16 @@ class GrpcBackend:
     async def info(self) -> WorkerInfo:
         reply = await self._call(self._worker().GetInfo, wpb.GetInfoRequest())
         return WorkerInfo(convert.info_from_proto(reply.info), DeploymentId(reply.deployment_id) or None)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        """Load a LoRA adapter on the worker (its files are read there, within `LORA_TIMEOUT_S`)."""
+        message = wpb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        reply = await self._call(self._lora_adapters().LoadLoraAdapter, message, LORA_TIMEOUT_S)
+        return convert.lora_from_proto(reply.adapter)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        message = wpb.UnloadLoraAdapterRequest(lora_name=name)
+        await self._call(self._lora_adapters().UnloadLoraAdapter, message, LORA_TIMEOUT_S)
 
     async def check_integrity(self) -> KvIntegrity:
         """The worker's KV cache self-check (see the CheckKvIntegrity RPC)."""
@@ -106,3 +125,4 @@ class GrpcBackend:
             await self._channel.close(grace=None)
             self._channel = None
             self._stub = None
+            self._loras = None

@@ -7,7 +7,9 @@ Internal gRPC is mutual TLS from `--tls-dir` (the worker's id is the identity in
 certificate), or plain text with `--insecure-internal`, said loudly at start.
 
 The Worker service serves the role's engine behind `BoundedEngine` (at most
-`--max-waiting-requests` waiting; refused while the watchdog finds the engine thread wedged)."""
+`--max-waiting-requests` waiting; refused while the watchdog finds the engine thread wedged);
+the LoraAdapters service, next to it, loads and unloads adapters (`--enable-lora`; refused
+without it)."""
 import asyncio
 import dataclasses
 import logging
@@ -21,12 +23,15 @@ from pdserve.common.settings import WorkerSettings, apply_worker_runtime_default
 from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
+from pdserve.engine.model.lora import LoraSettings
 from pdserve.kvcache import KvCacheConfig
+from pdserve.rpc.lora_service import add_lora_service
 from pdserve.worker.admission import BoundedEngine
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine, cpu_summary
 from pdserve.worker.kv_events import kv_events_service
 from pdserve.worker.engine_metrics import export_engine
+from pdserve.worker.lora_registry import LoraRegistry
 from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.roles import build_role, close_role, run_background
 from pdserve.worker.server import serve_until_stopped
@@ -61,6 +66,7 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
         scheduler=scheduler, num_threads=settings.num_threads, kernels=settings.kernels,
         cache_dir=settings.cache_dir, disk_cache_dir=settings.disk_cache_dir, disk_cache_size=settings.disk_cache_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        lora=LoraSettings(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None,
     )
 
 
@@ -91,9 +97,14 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     engine = build_threaded_engine(engine_spec(settings))
     if engine.engine.runner.device.type == "cpu":
         log.info("CPU: %s", cpu_summary(engine.engine, apply_worker_runtime_defaults()))
+    loras = LoraRegistry(engine)
+    if settings.enable_lora:
+        log.info("LoRA enabled (up to %d adapters of rank <= %d): every step runs on torch ops, not the native "
+                 "kernels", settings.max_loras, settings.max_lora_rank)
+        loras.load_at_start(settings.lora_module_pairs)
     metrics = TransferMetrics()
     export_engine(metrics.registry, engine, settings.model_name)
-    parts = build_role(settings, engine, metrics, tls)
+    parts = build_role(settings, engine, metrics, tls, loras)
     if settings.metrics_port is not None:
         port = metrics.serve(settings.host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.host, port)
@@ -103,7 +114,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     background = asyncio.create_task(run_background(parts, engine, metrics))
     watching = asyncio.create_task(watchdog.run())
     stop = _stop_on_signals()
-    services = [*parts.services, kv_events_service(engine, stop)]
+    services = [*parts.services, kv_events_service(engine, stop), lambda server: add_lora_service(server, loras)]
     try:
         log.info("serving %s (role %s, deployment %s) on %s:%d", settings.model_name, settings.role,
                  settings.deployment_id or "none", settings.host, settings.port)

@@ -8,6 +8,7 @@ with `call_soon_threadsafe`. The loop also wakes when idle
 (`idle_wait_s`), so periodic duties run every step even when no work arrives.
 """
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ from typing import TypeVar
 
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
+from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.request_stats import StepStats
 from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
@@ -140,6 +141,10 @@ class ThreadedEngine:
 
     def info(self) -> ModelInfo:
         return self._info
+
+    def set_lora_adapters(self, adapters: tuple[LoraAdapterInfo, ...]) -> None:
+        """The adapters `info()` lists from now on (worker/lora_registry.py keeps them)."""
+        self._info = dataclasses.replace(self._info, lora_adapters=adapters)
 
     def stats(self) -> EngineStats:
         return self._stats

@@ -17,6 +17,7 @@ from pdserve.models.tokenizer import load_tokenizer
 from pdserve.engine.model.kv_tensor import bytes_per_block, kv_storage_dtype
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.model.host_store import HostKvStore
+from pdserve.engine.model.lora import LoraSettings
 from pdserve.transfer.disk_store import DiskKvStore
 from pdserve.transfer.kv_files import BlockFiles, fingerprint
 from pdserve.transfer.layout import KvLayoutSpec
@@ -50,6 +51,7 @@ class EngineSpec:
     disk_cache_dir: str | None = None  # the disk KV tier's folder (below the host tier); None: no disk tier
     disk_cache_size: int = 4 << 30
     gpu_memory_utilization: float = 0.9  # of a GPU's total memory, for the whole process (memory_budget.py)
+    lora: LoraSettings | None = None  # None: no LoRA adapters (and the native kernels where they run)
 
 
 def build_llm_engine(spec: EngineSpec) -> LLMEngine:
@@ -67,7 +69,7 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
                           "raise the KV cache size or lower max_model_len")
     runner = ModelRunner.load(spec.model, spec.dtype, device, num_blocks=num_blocks,
                               tokens_per_block=spec.kv.tokens_per_block, kv_cache_dtype=spec.kv_cache_dtype,
-                              cache_dir=spec.cache_dir, kernels=spec.kernels)
+                              cache_dir=spec.cache_dir, kernels=spec.kernels, lora=spec.lora)
     tokenizer = load_tokenizer(spec.model, spec.cache_dir)
     store = _tier_store(spec, runner, per_block)
     num_disk_blocks = spec.disk_cache_size // per_block if store is not None and store.disk is not None else 0
@@ -121,6 +123,7 @@ def build_threaded_engine(spec: EngineSpec) -> ThreadedEngine:
         model_name=spec.served_model_name, max_model_len=spec.scheduler.max_model_len,
         tokens_per_block=spec.kv.tokens_per_block, block_hash_algorithm=HASH_ALGORITHM, role=spec.role,
         vocab_size=engine.vocab_size, eos_token_ids=tuple(engine.tokenizer.eos_token_ids),
+        lora_enabled=spec.lora is not None, max_loras=spec.lora.max_loras if spec.lora else 0,
     )
     return ThreadedEngine(engine, info)
 

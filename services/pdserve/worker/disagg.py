@@ -3,7 +3,8 @@
     generate(request, prefill_worker)
       local prefill when: no prefill worker, n > 1, prompt logprobs asked for (they come from
                           the prompt's logits), few tokens missing from our own cache,
-                          the peer cannot be reached, or no blocks are free to reserve
+                          the peer cannot be reached, it does not hold the request's LoRA
+                          adapter (told at handshake; `lora_mismatch`), or no blocks are free
       else: reserve blocks (two-phase claim; our cached prefix is reused)
             → the prefill worker computes the prompt and WRITEs only the blocks we lack
             → its first token is emitted here and decoding continues in our batch
@@ -98,10 +99,20 @@ class DecodeEngine:
         if reason is not None:
             return None, reason
         try:
-            return await self._peers.get(prefill_worker), None
+            peer = await self._peers.get(prefill_worker)
+            if request.lora_id is None or request.lora_id in peer.lora_ids:
+                return peer, None
+            if peer.our_lora_ids != self._peers.lora_ids():  # our adapters changed since: so may its
+                await self._peers.forget(peer)
+                peer = await self._peers.get(prefill_worker)
         except PdserveError as exc:
             log.warning("prefill worker %s unusable, prefilling locally: %s", prefill_worker, exc)
             return None, "peer_unavailable"
+        if request.lora_id in peer.lora_ids:
+            return peer, None
+        log.info("prefill worker %s does not hold LoRA adapter %d of %s: prefilling locally", prefill_worker,
+                 request.lora_id, request.request_id)
+        return None, "lora_mismatch"
 
     @staticmethod
     def _local_reason(request: GenerationRequest, prefill_worker: str | None) -> str | None:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
 from pdserve.common.errors import PdserveError, PermissionDeniedError, WorkerUnavailableError
@@ -27,9 +28,12 @@ RETRY_AFTER_S = 5.0
 
 
 class PrefillPeer:
-    def __init__(self, address: str, peer_id: WorkerId, client: KvTransferClient, order_key: bytes) -> None:
+    def __init__(self, address: str, peer_id: WorkerId, client: KvTransferClient, order_key: bytes,
+                 lora_ids: frozenset[int] = frozenset(), our_lora_ids: frozenset[int] = frozenset()) -> None:
         self.address = address
         self.peer_id = peer_id
+        self.lora_ids = lora_ids  # the LoRA adapters it held at the handshake
+        self.our_lora_ids = our_lora_ids  # and those we held then
         self._client = client
         self._order_key = order_key
         self._in_flight = 0
@@ -55,8 +59,9 @@ class PrefillPeers:
     """Handshakes once per prefill worker address and caches the result."""
 
     def __init__(self, transport: KvTransport, rpc_timeout_s: float = 10.0, *, deployment_id: str = "",
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, lora_ids: Callable[[], frozenset[int]] = frozenset) -> None:
         self._transport = transport
+        self.lora_ids = lora_ids  # the LoRA adapters we hold now
         self._rpc_timeout_s = rpc_timeout_s
         self._deployment_id = deployment_id
         self._tls = tls
@@ -99,7 +104,8 @@ class PrefillPeers:
     async def _connect(self, address: str) -> PrefillPeer:
         client = KvTransferClient(address, self._tls)
         order_key = new_order_key()
-        hello = Hello(self._transport.worker_id, self._transport.local_metadata(), self._deployment_id, order_key)
+        ours = self.lora_ids()
+        hello = Hello(self._transport.worker_id, self._transport.local_metadata(), self._deployment_id, order_key, ours)
         try:
             reply = await client.handshake(hello, self._rpc_timeout_s)
             if reply.deployment_id != self._deployment_id:
@@ -110,4 +116,7 @@ class PrefillPeers:
             await client.close()
             raise
         log.info("KV peer %s at %s connected", reply.worker_id, address)
-        return PrefillPeer(address, reply.worker_id, client, order_key)
+        if reply.lora_ids != ours:
+            log.warning("KV peer %s holds other LoRA adapters than we do (%d of ours it lacks): prompts under "
+                        "those are prefilled here", reply.worker_id, len(ours - reply.lora_ids))
+        return PrefillPeer(address, reply.worker_id, client, order_key, reply.lora_ids, ours)

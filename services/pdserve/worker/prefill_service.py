@@ -15,10 +15,12 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 
 from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
 from pdserve.common.errors import (
+    IncompatiblePeerError,
     InvalidRequestError,
     PdserveError,
     PermissionDeniedError,
@@ -39,8 +41,9 @@ class PrefillService:
     """The prefill worker's `rpc.kv_transfer_service.KvTransferHandler`."""
 
     def __init__(self, engine: ThreadedEngine, transport: KvTransport, metrics: TransferMetrics,
-                 deployment_id: str = "") -> None:
+                 deployment_id: str = "", lora_ids: Callable[[], frozenset[int]] = frozenset) -> None:
         self._engine = engine
+        self._lora_ids = lora_ids  # the LoRA adapters we hold now
         self._transport = transport
         self._metrics = metrics
         self._deployment_id = deployment_id
@@ -59,7 +62,12 @@ class PrefillService:
             log.error("refused KV peer %s: %s", hello.worker_id, exc)
             raise
         self._order_keys[hello.worker_id] = hello.order_key
-        return Hello(self._transport.worker_id, self._transport.local_metadata(), self._deployment_id)
+        ours = self._lora_ids()
+        if hello.lora_ids != ours:
+            log.warning("KV peer %s holds other LoRA adapters (%d of its %d are not ours): prompts under those "
+                        "are prefilled on it", hello.worker_id, len(hello.lora_ids - ours), len(hello.lora_ids))
+        return Hello(self._transport.worker_id, self._transport.local_metadata(), self._deployment_id,
+                     lora_ids=ours)
 
     async def prefill(self, order: PrefillOrder) -> PrefillResult:
         try:
@@ -80,6 +88,10 @@ class PrefillService:
         if not is_granted(self._order_keys.get(order.decode_worker_id), order):
             raise PermissionDeniedError(f"order for {order.request.request_id!r} carries no valid write grant of "
                                         f"{order.decode_worker_id!r}")
+        lora_id = order.request.lora_id
+        if lora_id is not None and lora_id not in self._lora_ids():
+            raise IncompatiblePeerError(f"LoRA adapter {lora_id} of {order.request.request_id!r} is not loaded on "
+                                        "this prefill worker: its KV would be another model's")
         first = await self._first_output(order)
         request_id = order.request.request_id
         transfer: asyncio.Future | None = None

@@ -24,6 +24,7 @@ from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.disagg import DecodeEngine, DisaggConfig
 from pdserve.worker.kv_peers import PrefillPeers
+from pdserve.worker.lora_registry import LoraRegistry
 from pdserve.worker.metrics import LOCAL_PREFILL_REASONS, TransferMetrics
 from pdserve.worker.prefill_service import PrefillService
 
@@ -40,18 +41,20 @@ class RoleParts:
 
 
 def build_role(settings: WorkerSettings, threaded: ThreadedEngine, metrics: TransferMetrics,
-               tls: TlsConfig | None = None) -> RoleParts:
-    """The role's parts; `tls` (our credentials, None: plain text) for calls to prefill workers."""
+               tls: TlsConfig | None = None, loras: LoraRegistry | None = None) -> RoleParts:
+    """The role's parts; `tls` (our credentials, None: plain text) for calls to prefill workers;
+    `loras`, the adapters we hold, told to KV peers at handshake."""
+    lora_ids = loras.lora_ids if loras is not None else frozenset
     if settings.role == WorkerRole.BOTH:
         return RoleParts(threaded)
     transport = make_transport(settings, threaded)
     deployment = settings.deployment_id or ""
     if settings.role == WorkerRole.PREFILL:
         metrics.start_at_zero("sent")
-        service = PrefillService(threaded, transport, metrics, deployment)
+        service = PrefillService(threaded, transport, metrics, deployment, lora_ids)
         return RoleParts(threaded, [lambda s: add_kv_transfer_service(s, service)], transport)
     metrics.start_at_zero("received", LOCAL_PREFILL_REASONS)
-    peers = PrefillPeers(transport, deployment_id=deployment, tls=tls)
+    peers = PrefillPeers(transport, deployment_id=deployment, tls=tls, lora_ids=lora_ids)
     config = DisaggConfig(WorkerId(settings.peer_name), settings.disagg_min_prefill_tokens,
                           settings.kv_transfer_timeout_s,
                           recompute_on_failure=settings.kv_transfer_failure == "recompute")

@@ -226,3 +226,25 @@ def test_a_worker_in_a_pod_is_named_after_the_pod_unless_its_certificate_or_flag
 def test_a_child_process_never_inherits_the_pod_name(monkeypatch) -> None:
     monkeypatch.setenv("POD_NAME", "pdserve-0")
     assert "POD_NAME" not in child_environ()
+
+
+def test_lora_flags_take_vllm_s_forms_and_reach_a_child_unchanged() -> None:
+    settings = resolve_worker_settings(["--enable-lora", "--max-loras", "3", "--max-lora-rank", "64",
+                                        "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat"}',
+                                        "--lora-modules", "x=/a/x=1"], environ={})
+    assert settings.lora_module_pairs == (("sql", "/a/sql"), ("chat", "/a/chat"), ("x", "/a/x=1"))
+    assert (settings.max_loras, settings.max_lora_rank) == (3, 64)
+    assert resolve_worker_settings(to_argv(settings), environ={}) == settings
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-modules", "sql=/a"], "needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a=/a", "b=/b"], "more adapters than --max-loras"),
+    (["--enable-lora", "--max-loras", "2", "--lora-modules", "a=/a", "a=/b"], "names must differ"),
+    (["--enable-lora", "--lora-modules", "noequals"], "is not name=path"),
+    (["--enable-lora", "--max-lora-rank", "0"], "must be > 0"),
+])
+def test_bad_lora_flags_are_refused_naming_the_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve_worker_settings(argv, environ={})
+

@@ -24,6 +24,7 @@ class _Config:
 
 class TokenStoreRunner:
     device = "cpu"
+    lora = None  # serves no LoRA adapters
 
     def __init__(self, num_blocks: int, tokens_per_block: int) -> None:
         self.config = _Config()

@@ -1,10 +1,13 @@
 """pdserve types ↔ protobuf: exact round trips, and typed errors for what protobuf cannot carry."""
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.common.errors import InvalidRequestError, WorkerError
-from pdserve.common.ids import RequestId
+from pdserve.common.disagg import Hello
+from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import (
     GenerationRequest,
     Guide,
@@ -15,8 +18,8 @@ from pdserve.common.request import (
     SamplingParams,
     TokenLogprob,
 )
-from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
-from pdserve.rpc import convert
+from pdserve.common.stats import EngineStats, LoraAdapterInfo, ModelInfo, WorkerRole
+from pdserve.rpc import convert, kv_transfer
 from pdserve.rpc.gen import request_pb2, worker_pb2
 
 u32 = st.integers(0, 2**32 - 1)
@@ -72,6 +75,16 @@ def test_stats_and_info_round_trip() -> None:
     info = ModelInfo("m", 2048, 16, "sha256-v1", WorkerRole.PREFILL, 49152, (0, 2))
     assert convert.stats_from_proto(convert.stats_to_proto(stats)) == stats
     assert convert.info_from_proto(convert.info_to_proto(info)) == info
+    with_loras = dataclasses.replace(info, lora_enabled=True, max_loras=4, lora_adapters=(
+        LoraAdapterInfo("sql", 2**63 - 1, "/a/sql"), LoraAdapterInfo("chat", 5, "/a/chat")))
+    assert convert.info_from_proto(convert.info_to_proto(with_loras)) == with_loras
+
+
+def test_handshake_hellos_carry_each_side_s_adapters() -> None:
+    hello = Hello(WorkerId("d"), b"meta", "dep", b"key", frozenset({3, 2**63 - 1}))
+    assert kv_transfer.hello_from_request(kv_transfer.hello_to_request(hello)) == hello
+    reply = Hello(WorkerId("p"), b"meta", "dep", lora_ids=frozenset({5}))
+    assert kv_transfer.hello_from_reply(kv_transfer.hello_to_reply(reply)) == reply
 
 
 def test_detokenization_flags_left_unset_by_an_older_router_mean_vllms_defaults() -> None:

@@ -18,9 +18,11 @@ import torch
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker, StopPiece
 from pdserve.engine.core.handoff import Handoffs
 from pdserve.engine.core.request_stats import SeqTimes, StepStats
-from pdserve.common.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
+from pdserve.common.errors import (ConfigError, DuplicateRequestError, InvalidRequestError, OutOfBlocksError,
+                                   TransferError)
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput, TokenLogprob
+from pdserve.engine.loading.lora_files import LoraCheckpoint
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.guided import GuideCompiler, GuideMatcher
 from pdserve.engine.model.host_store import TierStore
@@ -58,6 +60,7 @@ class LLMEngine:
         self.handoffs = Handoffs(kv, lambda: self._clock())  # sequences waiting on a KV transfer, with leases
         self._guides: GuideCompiler | None = None  # built from the tokenizer on the first guided request
         self._step_stats = StepStats()
+        self._unloading_loras: set[int] = set()  # adapters refused to new requests, dropped once unused
 
     @property
     def has_work(self) -> bool:
@@ -100,6 +103,7 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        self._drop_unused_loras()
         started = self._clock()
         chunks = self.scheduler.schedule()
         unread = self._move_between_tiers()
@@ -226,6 +230,31 @@ class LLMEngine:
     def num_lease_expiries(self) -> int:
         return self.handoffs.num_lease_expiries
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+
+    def add_lora(self, checkpoint: LoraCheckpoint) -> None:
+        """Load an adapter (ConfigError, changing nothing, when it cannot be); one being unloaded
+        is taken back."""
+        if self.runner.lora is None:
+            raise ConfigError("enable_lora", False, "this worker serves no LoRA adapters (start it with --enable-lora)")
+        self.runner.lora.add(checkpoint)
+        self._unloading_loras.discard(checkpoint.lora_id)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """New requests for the adapter are refused from now on; its weights go once no live
+        request uses them (a running one finishes under the adapter it started with)."""
+        if self.runner.lora is not None and lora_id in self.runner.lora:
+            self._unloading_loras.add(lora_id)
+            self._drop_unused_loras()
+
+    def _drop_unused_loras(self) -> None:
+        if not self._unloading_loras:
+            return
+        in_use = {seqs[0].request.lora_id for seqs in self._requests.values() if seqs}
+        for lora_id in self._unloading_loras - in_use:
+            self.runner.lora.remove(lora_id)
+        self._unloading_loras &= in_use
+
     # ---- internals -----------------------------------------------------------------------------
 
     def _validate(self, request: GenerationRequest) -> None:
@@ -247,6 +276,9 @@ class LLMEngine:
         if num_top is not None and not 0 <= num_top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"prompt_logprobs={num_top!r} must be in 0..{MAX_LOGPROBS}", "prompt_logprobs")
         check_processor_params(request.sampling, self.vocab_size)
+        lora_id, loras = request.lora_id, self.runner.lora
+        if lora_id is not None and (loras is None or lora_id not in loras or lora_id in self._unloading_loras):
+            raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded on this worker", "model")
 
     def _check_id_free(self, request_id: RequestId) -> None:
         """InvalidRequestError for an id with a reserved mark; DuplicateRequestError while it names
@@ -296,7 +328,7 @@ class LLMEngine:
         end = start + chunk.num_tokens
         return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:end]), start,
                         tuple(self.kv.block_ids(seq.seq_id)), needs_logits=end == len(seq.token_ids),
-                        all_logits=seq.wants_prompt_logprobs)
+                        all_logits=seq.wants_prompt_logprobs, lora_id=seq.request.lora_id)
 
     def _record_prompt_logprobs(self, seq: Sequence, chunk: SeqChunk, logits: torch.Tensor) -> None:
         """Keep the logprobs of the prompt tokens this chunk's rows predict:

@@ -19,6 +19,7 @@ class SeqChunk:
     block_table: tuple[int, ...]  # physical block ids covering >= start_pos + len(token_ids)
     needs_logits: bool = True  # logits for the last token (False for a mid-prompt chunk)
     all_logits: bool = False  # logits for every chunk token (teacher-forced checks)
+    lora_id: int | None = None  # the LoRA adapter its tokens run under; None: the base model
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,6 +10,7 @@ from pdserve.common.errors import ConfigError
 from pdserve.engine.model.attention import AttentionPlan, paged_attention
 from pdserve.engine.model.kv_tensor import PagedKvCache
 from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from pdserve.engine.model.lora import NO_LORA, O_PROJ, QKV, LoraStep
 from pdserve.engine.loading.model_config import ModelConfig
 
 
@@ -55,16 +56,17 @@ class DecoderLayer:
         self.mlp = _mlp(prefix + "mlp.", c, weights)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 plan: AttentionPlan, kv: PagedKvCache) -> torch.Tensor:
+                 plan: AttentionPlan, kv: PagedKvCache, lora: LoraStep = NO_LORA) -> torch.Tensor:
         """h (T, H) -> (T, H); writes this layer's K/V for the step's tokens into `kv`."""
         num_tokens, nh, kvh, hd = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(self.input_norm(h), self.qkv, self.qkv_bias)  # (T, (nh + 2 kvh) hd)
+        x = self.input_norm(h)
+        qkv = lora.add(F.linear(x, self.qkv, self.qkv_bias), x, self.index, QKV)  # (T, (nh + 2 kvh) hd)
         qk = qkv[:, :(nh + kvh) * hd].view(num_tokens, nh + kvh, hd)
         qk = RotaryEmbedding.apply(qk, cos, sin)  # (T, nh + kvh, hd): q and k share one rotation
         v = qkv[:, (nh + kvh) * hd:].view(num_tokens, kvh, hd)
         attn = paged_attention(self.index, qk[:, :nh], qk[:, nh:], v, plan, kv)  # (T, nh hd)
-        h = h + F.linear(attn, self.o_proj, self.o_bias)
-        return h + self.mlp(self.post_norm(h))
+        h = h + lora.add(F.linear(attn, self.o_proj, self.o_bias), attn, self.index, O_PROJ)
+        return h + self.mlp(self.post_norm(h), lora, self.index)
 
 
 def _mlp(prefix: str, c: ModelConfig, weights: _Weights) -> SwiGLU:
@@ -91,12 +93,13 @@ class CausalLM:
         self.rope = RotaryEmbedding(c, device)
 
     def forward(self, token_ids: torch.Tensor, plan: AttentionPlan, kv: PagedKvCache,
-                logit_rows: torch.Tensor) -> torch.Tensor:
-        """token_ids (T,) -> float32 logits (R, vocab) of the hidden rows `logit_rows` (R,)."""
+                logit_rows: torch.Tensor, lora: LoraStep = NO_LORA) -> torch.Tensor:
+        """token_ids (T,) -> float32 logits (R, vocab) of the hidden rows `logit_rows` (R,);
+        `lora` adds each adapter's deltas to its own rows."""
         h = F.embedding(token_ids, self.embed)  # (T, H)
         cos, sin = self.rope.cos_sin(plan.positions, h.dtype)  # (T, 1, hd) each
         for layer in self.layers:
-            h = layer(h, cos, sin, plan, kv)
+            h = layer(h, cos, sin, plan, kv, lora)
         if logit_rows.numel() == 0:
             return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         last = self.norm(h.index_select(0, logit_rows))  # (R, H)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.loading.model_config import Llama3RopeScaling, ModelConfig
+from pdserve.engine.model.lora import DOWN, GATE_UP, NO_LORA, LoraStep
 
 
 class RMSNorm:
@@ -79,7 +80,9 @@ class SwiGLU:
         self.down = down  # (H, I)
         self.down_bias = down_bias  # (H,) or None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, H) -> (T, H)."""
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)  # (T, I) each
-        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
+    def __call__(self, x: torch.Tensor, lora: LoraStep = NO_LORA, layer: int = 0) -> torch.Tensor:
+        """(T, H) -> (T, H); `lora` adds the adapters' deltas of decoder layer `layer`."""
+        gate_up = lora.add(F.linear(x, self.gate_up, self.gate_up_bias), x, layer, GATE_UP)
+        gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
+        hidden = F.silu(gate) * up
+        return lora.add(F.linear(hidden, self.down, self.down_bias), hidden, layer, DOWN)

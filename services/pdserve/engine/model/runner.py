@@ -13,6 +13,7 @@ from pdserve.engine.model.batch import ForwardBatch, ForwardOutput, SeqChunk
 from pdserve.engine.model.kv_tensor import (PagedKvCache, allocate_kv_tensor, bytes_per_block,
                                       kv_storage_dtype, num_blocks_for_budget)
 from pdserve.engine.model.decoder import CausalLM
+from pdserve.engine.model.lora import NO_LORA, LoraAdapters, LoraSettings
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.model.native_forward import NativeForward, build_native
 from pdserve.engine.loading.weights import load_checkpoint, load_model_config, resolve_device, resolve_dtype
@@ -20,25 +21,31 @@ from pdserve.engine.loading.weights import load_checkpoint, load_model_config, r
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: PagedKvCache, dtype: torch.dtype, device: torch.device,
-                 native: NativeForward | None = None) -> None:
+                 native: NativeForward | None = None, lora: LoraAdapters | None = None) -> None:
         self.model = model
         self.kv = kv
         self.dtype = dtype
         self.device = device
         self.native = native  # None: every step runs the torch ops of `model`
+        self.lora = lora  # None: LoRA is off and a chunk naming an adapter is refused
 
     @classmethod
     def load(cls, model_path: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
              num_blocks: int | None = None, tokens_per_block: int = 16, kv_cache_dtype: str = "auto",
              kv_cache_bytes: int | None = None, kv_scale: float = 1.0,
-             cache_dir: str | None = None, kernels: str = "auto") -> "ModelRunner":
+             cache_dir: str | None = None, kernels: str = "auto",
+             lora: LoraSettings | None = None) -> "ModelRunner":
         """Load weights and allocate the KV tensor: give `num_blocks` or a `kv_cache_bytes` budget.
 
         `model_path` is a Hugging Face checkpoint directory or a `.gguf` file; `cache_dir`
         keeps a GGUF file's conversion and the compiled native kernels for the next load.
         `kernels`: `auto` runs the native CPU kernels where they apply, `native` insists on
-        them (ConfigError where they cannot run), `torch` runs plain torch ops.
+        them (ConfigError where they cannot run), `torch` runs plain torch ops. With `lora`
+        (adapters enabled) every step runs on torch ops: the native kernels run all layers in
+        one call, with no place for an adapter's deltas, so `native` is then a ConfigError.
         """
+        if lora is not None and kernels == "native":
+            raise ConfigError("kernels", kernels, "LoRA adapters run on torch ops; use --kernels auto or torch")
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ConfigError("num_blocks", num_blocks, "give exactly one of num_blocks and kv_cache_bytes")
         # Every setting is checked, and the KV tensor allocated, before the weights are read.
@@ -51,6 +58,8 @@ class ModelRunner:
                           model_dtype, kv_scale)
         checkpoint = load_checkpoint(model_path, dtype, target, cache_dir)
         model = CausalLM(checkpoint.config, checkpoint.tensors, target)
+        if lora is not None:
+            return cls(model, kv, model_dtype, target, None, LoraAdapters(config, lora, model_dtype, target))
         return cls(model, kv, model_dtype, target, build_native(model, kv, kernels, cache_dir))
 
     @property
@@ -89,7 +98,8 @@ class ModelRunner:
         plan = plan_attention(batch, self.kv, self.config.sliding_window)
         token_ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)
         logit_rows = torch.tensor(_logit_rows(batch.chunks), dtype=torch.int64, device=self.device)
-        logits = self.model.forward(token_ids.to(self.device), plan, self.kv, logit_rows)  # (R, vocab)
+        lora = NO_LORA if self.lora is None else self.lora.plan([(c.lora_id, len(c.token_ids)) for c in batch.chunks])
+        logits = self.model.forward(token_ids.to(self.device), plan, self.kv, logit_rows, lora)  # (R, vocab)
         return ForwardOutput(list(torch.split(logits, counts)))
 
     def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
@@ -107,6 +117,9 @@ class ModelRunner:
         rid, tokens, tpb = chunk.request_id, chunk.token_ids, self.tokens_per_block
         if not tokens:
             raise InvalidRequestError(f"chunk of {rid!r} has no tokens", "token_ids")
+        if chunk.lora_id is not None and (self.lora is None or chunk.lora_id not in self.lora):
+            raise InvalidRequestError(f"chunk of {rid!r} names LoRA adapter {chunk.lora_id}, which is not loaded",
+                                      "lora_id")
         if min(tokens) < 0 or max(tokens) >= self.config.vocab_size:
             raise InvalidRequestError(f"chunk of {rid!r} has token ids outside 0..{self.config.vocab_size - 1}",
                                       "token_ids")

@@ -1,8 +1,10 @@
 """The router's FastAPI app: OpenAI-compatible routes over one `GenerateBackend`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (every served
-name), vLLM's `POST /tokenize`, `POST /detokenize` and `GET /version` (`tokenization/`),
-`GET /metrics`, `GET /openapi.json` (request bodies described from their models, `openapi.py`), and
+name, and the LoRA adapters, each with its `parent`), `POST /v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` (`lora/routes.py`), vLLM's `POST /tokenize`, `POST /detokenize` and
+`GET /version` (`tokenization/`), `GET /metrics`, `GET /openapi.json` (request bodies described
+from their models, `openapi.py`), and
 health: `GET /health/live` (liveness: 200 while the router answers HTTP), `GET /health/ready`
 (readiness: 200 while a decode-capable worker is in rotation, else 503 naming why) and `GET /health`
 (as readiness, vLLM's name). With API keys, every `/v1/` route (and `/metrics` when
@@ -28,8 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.ids import RequestId
-from pdserve.common.stats import ModelInfo
-from pdserve.router.backend import GenerateBackend, Routing
+from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.router.backend import GenerateBackend, LoraAdapters, Routing
 from pdserve.router.openai.admission import PendingLimit
 from pdserve.router.openai.access.guard import RequireApiKey, tenant_of
 from pdserve.router.openai.access.keys import ApiKeys
@@ -37,11 +39,12 @@ from pdserve.router.openai.chat import create_chat_completion
 from pdserve.router.openai.completions import create_completion
 from pdserve.router.openai.errors import ApiError, from_exception, install_error_handlers
 from pdserve.router.openai.logprobs import LogprobFormatter
+from pdserve.router.openai.lora.routes import LOAD_PATH, UNLOAD_PATH, add_lora_routes
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.router.openai.openapi import describe_request_bodies, request_body
 from pdserve.router.openai.prompts import PromptTokenizer
 from pdserve.router.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                            TokenizeRequest)
+                                            LoadLoraAdapterRequest, TokenizeRequest, UnloadLoraAdapterRequest)
 from pdserve.router.openai.responses import ModelCard, ModelList
 from pdserve.router.openai.serving import ApiLimits, ClientGone, ServingContext, new_response_id
 from pdserve.router.openai.structured.tools import ToolCallConfig
@@ -54,7 +57,7 @@ _STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it,
 _GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 _TOKENIZER_ROUTES = frozenset({"/tokenize", "/detokenize"})
 _ROUTES = _GENERATION_ROUTES | _TOKENIZER_ROUTES | {"/v1/models", "/version", "/health", "/health/live",
-                                                   "/health/ready", "/metrics"}
+                                                   "/health/ready", "/metrics", LOAD_PATH, UNLOAD_PATH}
 _log = logging.getLogger(__name__)
 Handler = Callable[[Request, ServingContext, str], Awaitable[Response]]
 
@@ -70,16 +73,18 @@ def create_app(
     protect_metrics: bool = False,
     sampling_defaults: Mapping[str, float | int] | None = None,
     tool_calls: ToolCallConfig = ToolCallConfig(),
+    loras: LoraAdapters | None = None,
 ) -> FastAPI:
     """An app serving `info`'s model (under `model_names` if given, the first reported in responses);
     it closes `backend` on shutdown.
     `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself).
     `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too.
     `sampling_defaults`: the model's, for fields a request leaves unset (`sampling.checked_defaults`).
-    `tool_calls`: whether `tool_choice: "auto"` is served, and how tool calls are read back."""
+    `tool_calls`: whether `tool_choice: "auto"` is served, and how tool calls are read back.
+    `loras`: the LoRA adapters served (None: none; loads answer 400)."""
     ctx = ServingContext(backend, tokenizer, info, tuple(model_names) or (info.model_name,), limits,
                          RouterMetrics(), LogprobFormatter(tokenizer), tool_calls=tool_calls,
-                         sampling_defaults=MappingProxyType(dict(sampling_defaults or {})))
+                         sampling_defaults=MappingProxyType(dict(sampling_defaults or {})), loras=loras)
     if routing is not None:
         ctx.metrics.registry.register(routing.metrics_collector())
 
@@ -101,7 +106,9 @@ def create_app(
     _add_generation_routes(app, ctx, routing)
     _add_tokenizer_routes(app, ctx)
     _add_status_routes(app, ctx)
-    describe_request_bodies(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
+    add_lora_routes(app, loras)
+    describe_request_bodies(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                                  LoadLoraAdapterRequest, UnloadLoraAdapterRequest))
     return app
 
 
@@ -133,7 +140,10 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         cards = [ModelCard(id=name, max_model_len=ctx.info.max_model_len) for name in ctx.model_names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        adapters = ctx.loras.lora_adapters() if ctx.loras is not None else ()
+        cards += [ModelCard(id=a.name, root=a.path, parent=ctx.model_name, max_model_len=ctx.info.max_model_len)
+                  for a in adapters]
+        return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
     @app.get("/health/live")
     async def live() -> Response:

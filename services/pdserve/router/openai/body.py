@@ -33,6 +33,7 @@ _MODELS: tuple[type[BaseModel], ...] = (
     protocol.FunctionCallBody,
     protocol.TokenizeRequest,
     protocol.DetokenizeRequest,
+    protocol.LoadLoraAdapterRequest,
 )
 _FIELD_NAMES = frozenset(field.alias or name for model in _MODELS for name, field in model.model_fields.items())
 

@@ -117,6 +117,7 @@ async def create_chat_completion(request: Request, ctx: ServingContext, response
     body = with_defaults(parse_body(await read_body(request, ctx.limits.max_body_bytes), ChatCompletionRequest),
                          ctx.sampling_defaults)
     ctx.check_model(body.model)
+    ctx = ctx.for_model(body.model)
     check_chat_supported(body)
     plan = plan_tools(body, ctx.tool_calls)
     guide = guide_of(body)

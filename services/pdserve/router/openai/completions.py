@@ -115,6 +115,7 @@ async def create_completion(request: Request, ctx: ServingContext, response_id: 
     body = with_defaults(parse_body(await read_body(request, ctx.limits.max_body_bytes), CompletionRequest),
                          ctx.sampling_defaults)
     ctx.check_model(body.model)
+    ctx = ctx.for_model(body.model)
     check_completion_supported(body)
     info = ctx.info
     prompts = completion_prompts(body, ctx.tokenizer, info.vocab_size, info.max_model_len)

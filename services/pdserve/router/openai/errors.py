@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.common.errors import InvalidRequestError, PdserveError, WorkerUnavailableError
+from pdserve.common.errors import InvalidRequestError, PdserveError, UnknownLoraAdapterError, WorkerUnavailableError
 
 MAX_MESSAGE_CHARS = 1024
 MAX_PARAM_CHARS = 128
@@ -70,6 +70,8 @@ def from_exception(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), exc.param)
+    if isinstance(exc, UnknownLoraAdapterError):
+        return ApiError(404, str(exc), "lora_name")
     if isinstance(exc, WorkerUnavailableError):
         return overloaded(f"generation service unavailable: {exc}")
     if isinstance(exc, TimeoutError):

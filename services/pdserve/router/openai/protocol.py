@@ -235,3 +235,14 @@ class TokenizeRequest(StrictModel):
 class DetokenizeRequest(StrictModel):
     model: str | None = Field(None, max_length=256)
     tokens: list[int]
+
+
+class LoadLoraAdapterRequest(StrictModel):
+    """`POST /v1/load_lora_adapter` (vLLM's body): the adapter's name and its folder on the workers."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(StrictModel):
+    lora_name: str = Field(min_length=1, max_length=256)

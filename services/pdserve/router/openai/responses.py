@@ -147,6 +147,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now_s)
     owned_by: str = "pdserve"
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

@@ -1,5 +1,6 @@
 """What completions and chat share: the serving context, request building, usage, collection."""
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -9,8 +10,8 @@ from starlette.requests import Request
 
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, Guide, RequestOutput
-from pdserve.common.stats import ModelInfo
-from pdserve.router.backend import GenerateBackend
+from pdserve.common.stats import LoraAdapterInfo, ModelInfo
+from pdserve.router.backend import GenerateBackend, LoraAdapters
 from pdserve.router.openai.errors import ApiError, bad_request
 from pdserve.router.openai.logprobs import LogprobFormatter
 from pdserve.router.openai.metrics import RouterMetrics
@@ -52,6 +53,8 @@ class ServingContext:
     tenant: Tenant | None = None  # the caller's, once authenticated (None: no API keys configured)
     tool_calls: ToolCallConfig = ToolCallConfig()
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)  # the model's (sampling.with_defaults)
+    loras: LoraAdapters | None = None  # the LoRA adapters served (None: none)
+    lora_id: int | None = None  # the adapter this request runs under (`for_model`); None: the base model
 
     @property
     def model_name(self) -> str:
@@ -59,7 +62,7 @@ class ServingContext:
         return self.model_names[0]
 
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested not in self.model_names:
+        if requested is not None and requested not in self.model_names and self._adapter(requested) is None:
             served = ", ".join(f"'{name}'" for name in self.model_names)
             raise ApiError(404, f"the model '{requested}' does not exist; this server serves {served}", "model")
 
@@ -68,6 +71,17 @@ class ServingContext:
         (either capped to the context left)."""
         model_default = self.sampling_defaults.get("max_tokens")
         return api_default if model_default is None else int(model_default)
+
+    def for_model(self, requested: str | None) -> "ServingContext":
+        """This context for a request naming `requested`: under a LoRA adapter's name, it runs
+        under that adapter and its responses carry that name, as vLLM answers."""
+        adapter = self._adapter(requested) if requested is not None and requested not in self.model_names else None
+        if adapter is None:
+            return self
+        return dataclasses.replace(self, model_names=(adapter.name,), lora_id=adapter.lora_id)
+
+    def _adapter(self, name: str) -> LoraAdapterInfo | None:
+        return next((a for a in self.loras.lora_adapters() if a.name == name), None) if self.loras else None
 
     def run(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[Event]:
         timeouts = StreamTimeouts(self.limits.first_output_timeout_s, self.limits.output_timeout_s)
@@ -114,6 +128,7 @@ def generation_requests(
             sampling=sampling_params(body, limit, logprobs, ctx.info.vocab_size, bad_words, max_tokens.param, guide),
             cache_salt=effective_cache_salt(ctx.tenant, body.cache_salt),
             priorities=priority_ranges(body, num_tokens),
+            lora_id=ctx.lora_id,
         ))
     return requests
 

@@ -1,7 +1,8 @@
 """The router's view of its workers: the pool (registration, health, load), the prefix index,
 one KV event subscriber per worker in rotation, and DNS discovery of workers, wired together.
 
-A worker coming up gets a subscriber (which syncs its index part from a snapshot); a worker
+A worker coming up gets a subscriber (which syncs its index part from a snapshot) and, once
+the cluster has started, the LoRA adapters loaded since it started (`lora_catalog.py`); a worker
 going down (or drained out by discovery) loses its subscriber and its index entries. A
 subscriber whose stream breaks with UNAVAILABLE takes its worker out of rotation.
 """
@@ -17,6 +18,7 @@ from pdserve.rpc.worker_client import GrpcBackend
 from pdserve.rpc.kv_events_client import KvEventsClient
 from pdserve.router.routing.discovery import DnsDiscovery, Resolve, system_resolver
 from pdserve.router.routing.kv_subscriber import EventSource, KvEventSubscriber
+from pdserve.router.routing.lora_catalog import LoraCatalog
 from pdserve.router.routing.prefix_index import PrefixIndex
 from pdserve.router.routing.registration import cluster_info
 from pdserve.router.routing.routing_metrics import RoutingCollector, RoutingCounters
@@ -54,6 +56,8 @@ class Cluster:
                                       config.dns_interval_s, static=config.addresses) if config.dns_names else None
         self._discovering: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # event clients of drained workers, closing
+        self.loras: LoraCatalog | None = None  # once started
+        self._syncs: set[asyncio.Task] = set()
 
     def _connect(self, address: str) -> GrpcBackend:
         return GrpcBackend(address, rpc_timeout_s=self._config.rpc_timeout_s,
@@ -63,10 +67,12 @@ class Cluster:
         """Register the workers (see `WorkerPool.start`; those behind the DNS names too, waiting
         for the first), then keep resolving the names; the model the cluster serves."""
         if self.discovery is None:
-            return cluster_info(await self.pool.start())
-        info = cluster_info(await self.pool.start(self.discovery.refresh))
-        self._discovering = asyncio.create_task(self.discovery.run(), name="worker-dns")
-        return info
+            infos = await self.pool.start()
+        else:
+            infos = await self.pool.start(self.discovery.refresh)
+            self._discovering = asyncio.create_task(self.discovery.run(), name="worker-dns")
+        self.loras = LoraCatalog(self.pool, infos)
+        return cluster_info(infos)
 
     def collector(self) -> RoutingCollector:
         return RoutingCollector(self.counters, self.pool, self.index)
@@ -80,6 +86,10 @@ class Cluster:
                                        self.counters, self.pool.mark_down, self._config.rpc_timeout_s)
         self._stop_subscriber(handle.address)
         self._subscribers[handle.address] = asyncio.create_task(subscriber.run(), name=f"kv-{handle.address}")
+        if self.loras is not None and self.loras.lora_adapters():
+            sync = asyncio.create_task(self.loras.sync_worker(handle), name=f"lora-{handle.address}")
+            self._syncs.add(sync)
+            sync.add_done_callback(self._syncs.discard)
 
     def worker_down(self, handle: WorkerHandle) -> None:
         self._stop_subscriber(handle.address)
@@ -101,7 +111,7 @@ class Cluster:
         if self._discovering is not None:
             self._discovering.cancel()
             await asyncio.gather(self._discovering, return_exceptions=True)
-        tasks = [task for task in self._subscribers.values() if not task.done()]
+        tasks = [task for task in [*self._subscribers.values(), *self._syncs] if not task.done()]
         for task in tasks:
             task.cancel()
         if tasks:

@@ -13,17 +13,18 @@ Contracts, beyond `GenerateBackend`'s:
 """
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import fields, replace
 
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import BlockHash, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, ModelInfo
+from pdserve.common.stats import EngineStats, LoraAdapterInfo, ModelInfo
 from pdserve.kvcache import hash_request_blocks
 from pdserve.router.backend import GenerateBackend
 from pdserve.router.routing.cluster import Cluster
+from pdserve.router.routing.lora_catalog import LoraCatalog
 from pdserve.router.routing.migration import MigrationPolicy, Progress, as_original, can_migrate, continuation
 from pdserve.router.routing.planner import Planner, RouteDecision
 from pdserve.router.routing.registration import DECODE_ROLES
@@ -180,6 +181,19 @@ class RoutedBackend:
 
     async def info(self) -> ModelInfo:
         return self._info
+
+    def lora_adapters(self) -> Sequence[LoraAdapterInfo]:
+        return self._catalog().lora_adapters()
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        return await self._catalog().load(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._catalog().unload(name)
+
+    def _catalog(self) -> LoraCatalog:
+        assert self._cluster.loras is not None, "the cluster starts before the backend serves"
+        return self._cluster.loras
 
     async def close(self) -> None:
         await self._cluster.close()

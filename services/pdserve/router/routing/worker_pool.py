@@ -24,7 +24,7 @@ from typing import Protocol
 from pdserve.common.errors import ConfigError, PdserveError, WorkerUnavailableError
 from pdserve.common.ids import DeploymentId, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, ModelInfo, WorkerInfo, WorkerRole
+from pdserve.common.stats import EngineStats, LoraAdapterInfo, ModelInfo, WorkerInfo, WorkerRole
 from pdserve.router.routing.cost import WorkerLoad
 from pdserve.router.routing.registration import DECODE_ROLES, check_all, check_deployment, check_worker
 from pdserve.router.routing.worker_load import Dispatch, LoadBook
@@ -44,6 +44,10 @@ class WorkerClient(Protocol):
     async def stats(self) -> EngineStats: ...
 
     async def info(self) -> WorkerInfo: ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo: ...
+
+    async def unload_lora_adapter(self, name: str) -> None: ...
 
     async def close(self) -> None: ...
 

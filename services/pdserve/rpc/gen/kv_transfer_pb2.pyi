@@ -8,26 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("worker_id", "metadata", "deployment_id", "order_key")
+    __slots__ = ("worker_id", "metadata", "deployment_id", "order_key", "lora_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ORDER_KEY_FIELD_NUMBER: _ClassVar[int]
+    LORA_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     metadata: bytes
     deployment_id: str
     order_key: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., metadata: _Optional[bytes] = ..., deployment_id: _Optional[str] = ..., order_key: _Optional[bytes] = ...) -> None: ...
+    lora_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., metadata: _Optional[bytes] = ..., deployment_id: _Optional[str] = ..., order_key: _Optional[bytes] = ..., lora_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("worker_id", "metadata", "deployment_id")
+    __slots__ = ("worker_id", "metadata", "deployment_id", "lora_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     metadata: bytes
     deployment_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., metadata: _Optional[bytes] = ..., deployment_id: _Optional[str] = ...) -> None: ...
+    lora_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., metadata: _Optional[bytes] = ..., deployment_id: _Optional[str] = ..., lora_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "decode_worker_id", "first_block", "dest_block_ids", "timeout_s", "grant")

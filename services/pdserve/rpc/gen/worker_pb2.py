@@ -25,41 +25,53 @@ _sym_db = _symbol_database.Default()
 from pdserve.rpc.gen import request_pb2 as pdserve_dot_v1_dot_request__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x18pdserve/v1/request.proto\"\x19\n\x17\x43heckKvIntegrityRequest\"i\n\x18\x43heckKvIntegrityResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x19\n\x11num_held_for_peer\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rHealthRequest\"K\n\x0eHealthResponse\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.pdserve.v1.ServingStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xb6\x05\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\x04\x12!\n\x19num_prefill_tokens_queued\x18\x06 \x01(\x04\x12#\n\x1bprefix_cache_queried_tokens\x18\x07 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x17\n\x0fnum_host_blocks\x18\n \x01(\x04\x12\x1e\n\x16num_host_cached_blocks\x18\x0b \x01(\x04\x12\x1c\n\x14num_offloaded_blocks\x18\x0c \x01(\x04\x12\x1c\n\x14num_onboarded_blocks\x18\r \x01(\x04\x12\x17\n\x0fnum_disk_blocks\x18\x0e \x01(\x04\x12\x1e\n\x16num_disk_cached_blocks\x18\x0f \x01(\x04\x12\x1a\n\x12num_spilled_blocks\x18\x10 \x01(\x04\x12\x19\n\x11num_loaded_blocks\x18\x11 \x01(\x04\x12\x1f\n\x17num_corrupt_disk_blocks\x18\x12 \x01(\x04\x12\x1d\n\x15num_host_cached_bytes\x18\x13 \x01(\x04\x12\x1d\n\x15num_disk_cached_bytes\x18\x14 \x01(\x04\x12$\n\x1cprefix_cache_host_hit_tokens\x18\x15 \x01(\x04\x12$\n\x1cprefix_cache_disk_hit_tokens\x18\x16 \x01(\x04\x12\x1f\n\x17num_dropped_by_priority\x18\x17 \x01(\x04\":\n\x10GetStatsResponse\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.EngineStats\"\x10\n\x0eGetInfoRequest\"\xbf\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x1c\n\x14\x62lock_hash_algorithm\x18\x04 \x01(\t\x12$\n\x04role\x18\x05 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\"M\n\x0fGetInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdserve.v1.ModelInfo\x12\x15\n\rdeployment_id\x18\x02 \x01(\t*k\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n\x1aSERVING_STATUS_NOT_SERVING\x10\x02*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\xb7\x03\n\x06Worker\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.RequestOutput0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponse\x12\x42\n\x07GetInfo\x12\x1a.pdserve.v1.GetInfoRequest\x1a\x1b.pdserve.v1.GetInfoResponse\x12]\n\x10\x43heckKvIntegrity\x12#.pdserve.v1.CheckKvIntegrityRequest\x1a$.pdserve.v1.CheckKvIntegrityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x18pdserve/v1/request.proto\":\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07lora_id\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"C\n\x17LoadLoraAdapterResponse\x12(\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.LoraAdapter\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17\x43heckKvIntegrityRequest\"i\n\x18\x43heckKvIntegrityResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x19\n\x11num_held_for_peer\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rHealthRequest\"K\n\x0eHealthResponse\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.pdserve.v1.ServingStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xb6\x05\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\x04\x12!\n\x19num_prefill_tokens_queued\x18\x06 \x01(\x04\x12#\n\x1bprefix_cache_queried_tokens\x18\x07 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x17\n\x0fnum_host_blocks\x18\n \x01(\x04\x12\x1e\n\x16num_host_cached_blocks\x18\x0b \x01(\x04\x12\x1c\n\x14num_offloaded_blocks\x18\x0c \x01(\x04\x12\x1c\n\x14num_onboarded_blocks\x18\r \x01(\x04\x12\x17\n\x0fnum_disk_blocks\x18\x0e \x01(\x04\x12\x1e\n\x16num_disk_cached_blocks\x18\x0f \x01(\x04\x12\x1a\n\x12num_spilled_blocks\x18\x10 \x01(\x04\x12\x19\n\x11num_loaded_blocks\x18\x11 \x01(\x04\x12\x1f\n\x17num_corrupt_disk_blocks\x18\x12 \x01(\x04\x12\x1d\n\x15num_host_cached_bytes\x18\x13 \x01(\x04\x12\x1d\n\x15num_disk_cached_bytes\x18\x14 \x01(\x04\x12$\n\x1cprefix_cache_host_hit_tokens\x18\x15 \x01(\x04\x12$\n\x1cprefix_cache_disk_hit_tokens\x18\x16 \x01(\x04\x12\x1f\n\x17num_dropped_by_priority\x18\x17 \x01(\x04\":\n\x10GetStatsResponse\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.EngineStats\"\x10\n\x0eGetInfoRequest\"\x98\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x1c\n\x14\x62lock_hash_algorithm\x18\x04 \x01(\t\x12$\n\x04role\x18\x05 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12.\n\rlora_adapters\x18\x14 \x03(\x0b\x32\x17.pdserve.v1.LoraAdapter\x12\x14\n\x0clora_enabled\x18\x15 \x01(\x08\x12\x11\n\tmax_loras\x18\x16 \x01(\r\"M\n\x0fGetInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdserve.v1.ModelInfo\x12\x15\n\rdeployment_id\x18\x02 \x01(\t*k\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n\x1aSERVING_STATUS_NOT_SERVING\x10\x02*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\xb7\x03\n\x06Worker\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.RequestOutput0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponse\x12\x42\n\x07GetInfo\x12\x1a.pdserve.v1.GetInfoRequest\x1a\x1b.pdserve.v1.GetInfoResponse\x12]\n\x10\x43heckKvIntegrity\x12#.pdserve.v1.CheckKvIntegrityRequest\x1a$.pdserve.v1.CheckKvIntegrityResponse2\xcc\x01\n\x0cLoraAdapters\x12Z\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a#.pdserve.v1.LoadLoraAdapterResponse\x12`\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a%.pdserve.v1.UnloadLoraAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVINGSTATUS']._serialized_start=1413
-  _globals['_SERVINGSTATUS']._serialized_end=1520
-  _globals['_WORKERROLE']._serialized_start=1522
-  _globals['_WORKERROLE']._serialized_end=1634
-  _globals['_CHECKKVINTEGRITYREQUEST']._serialized_start=65
-  _globals['_CHECKKVINTEGRITYREQUEST']._serialized_end=90
-  _globals['_CHECKKVINTEGRITYRESPONSE']._serialized_start=92
-  _globals['_CHECKKVINTEGRITYRESPONSE']._serialized_end=197
-  _globals['_ABORTREQUEST']._serialized_start=199
-  _globals['_ABORTREQUEST']._serialized_end=233
-  _globals['_ABORTRESPONSE']._serialized_start=235
-  _globals['_ABORTRESPONSE']._serialized_end=250
-  _globals['_HEALTHREQUEST']._serialized_start=252
-  _globals['_HEALTHREQUEST']._serialized_end=267
-  _globals['_HEALTHRESPONSE']._serialized_start=269
-  _globals['_HEALTHRESPONSE']._serialized_end=344
-  _globals['_GETSTATSREQUEST']._serialized_start=346
-  _globals['_GETSTATSREQUEST']._serialized_end=363
-  _globals['_ENGINESTATS']._serialized_start=366
-  _globals['_ENGINESTATS']._serialized_end=1060
-  _globals['_GETSTATSRESPONSE']._serialized_start=1062
-  _globals['_GETSTATSRESPONSE']._serialized_end=1120
-  _globals['_GETINFOREQUEST']._serialized_start=1122
-  _globals['_GETINFOREQUEST']._serialized_end=1138
-  _globals['_MODELINFO']._serialized_start=1141
-  _globals['_MODELINFO']._serialized_end=1332
-  _globals['_GETINFORESPONSE']._serialized_start=1334
-  _globals['_GETINFORESPONSE']._serialized_end=1411
-  _globals['_WORKER']._serialized_start=1637
-  _globals['_WORKER']._serialized_end=2076
+  _globals['_SERVINGSTATUS']._serialized_start=1771
+  _globals['_SERVINGSTATUS']._serialized_end=1878
+  _globals['_WORKERROLE']._serialized_start=1880
+  _globals['_WORKERROLE']._serialized_end=1992
+  _globals['_LORAADAPTER']._serialized_start=65
+  _globals['_LORAADAPTER']._serialized_end=123
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=125
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=187
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=189
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=256
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=258
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=303
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=305
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=332
+  _globals['_CHECKKVINTEGRITYREQUEST']._serialized_start=334
+  _globals['_CHECKKVINTEGRITYREQUEST']._serialized_end=359
+  _globals['_CHECKKVINTEGRITYRESPONSE']._serialized_start=361
+  _globals['_CHECKKVINTEGRITYRESPONSE']._serialized_end=466
+  _globals['_ABORTREQUEST']._serialized_start=468
+  _globals['_ABORTREQUEST']._serialized_end=502
+  _globals['_ABORTRESPONSE']._serialized_start=504
+  _globals['_ABORTRESPONSE']._serialized_end=519
+  _globals['_HEALTHREQUEST']._serialized_start=521
+  _globals['_HEALTHREQUEST']._serialized_end=536
+  _globals['_HEALTHRESPONSE']._serialized_start=538
+  _globals['_HEALTHRESPONSE']._serialized_end=613
+  _globals['_GETSTATSREQUEST']._serialized_start=615
+  _globals['_GETSTATSREQUEST']._serialized_end=632
+  _globals['_ENGINESTATS']._serialized_start=635
+  _globals['_ENGINESTATS']._serialized_end=1329
+  _globals['_GETSTATSRESPONSE']._serialized_start=1331
+  _globals['_GETSTATSRESPONSE']._serialized_end=1389
+  _globals['_GETINFOREQUEST']._serialized_start=1391
+  _globals['_GETINFOREQUEST']._serialized_end=1407
+  _globals['_MODELINFO']._serialized_start=1410
+  _globals['_MODELINFO']._serialized_end=1690
+  _globals['_GETINFORESPONSE']._serialized_start=1692
+  _globals['_GETINFORESPONSE']._serialized_end=1769
+  _globals['_WORKER']._serialized_start=1995
+  _globals['_WORKER']._serialized_end=2434
+  _globals['_LORAADAPTERS']._serialized_start=2437
+  _globals['_LORAADAPTERS']._serialized_end=2641
 # @@protoc_insertion_point(module_scope)

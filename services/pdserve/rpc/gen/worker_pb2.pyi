@@ -28,6 +28,40 @@ WORKER_ROLE_BOTH: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "lora_id", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    lora_id: int
+    path: str
+    def __init__(self, name: _Optional[str] = ..., lora_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CheckKvIntegrityRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -131,7 +165,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "tokens_per_block", "block_hash_algorithm", "role", "vocab_size", "eos_token_ids")
+    __slots__ = ("model_name", "max_model_len", "tokens_per_block", "block_hash_algorithm", "role", "vocab_size", "eos_token_ids", "lora_adapters", "lora_enabled", "max_loras")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +173,9 @@ class ModelInfo(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     tokens_per_block: int
@@ -146,7 +183,10 @@ class ModelInfo(_message.Message):
     role: WorkerRole
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    lora_enabled: bool
+    max_loras: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_enabled: _Optional[bool] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
     __slots__ = ("info", "deployment_id")

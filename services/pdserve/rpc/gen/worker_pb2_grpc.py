@@ -318,3 +318,133 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class LoraAdaptersStub:
+    """A worker's LoRA adapters at runtime, served next to Worker on the same port. A worker
+    started without --enable-lora refuses both (INVALID_ARGUMENT). Loading a name already loaded
+    from the same files changes nothing; from other files it is INVALID_ARGUMENT. Unloading an
+    unknown name is NOT_FOUND. Requests running under an unloaded adapter finish under it; new
+    ones are refused.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.LoraAdapters/LoadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.LoraAdapters/UnloadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+
+
+class LoraAdaptersServicer:
+    """A worker's LoRA adapters at runtime, served next to Worker on the same port. A worker
+    started without --enable-lora refuses both (INVALID_ARGUMENT). Loading a name already loaded
+    from the same files changes nothing; from other files it is INVALID_ARGUMENT. Unloading an
+    unknown name is NOT_FOUND. Requests running under an unloaded adapter finish under it; new
+    ones are refused.
+    """
+
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LoraAdaptersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.LoraAdapters', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.LoraAdapters', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class LoraAdapters:
+    """A worker's LoRA adapters at runtime, served next to Worker on the same port. A worker
+    started without --enable-lora refuses both (INVALID_ARGUMENT). Loading a name already loaded
+    from the same files changes nothing; from other files it is INVALID_ARGUMENT. Unloading an
+    unknown name is NOT_FOUND. Requests running under an unloaded adapter finish under it; new
+    ones are refused.
+    """
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.LoraAdapters/LoadLoraAdapter',
+            pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.LoraAdapters/UnloadLoraAdapter',
+            pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

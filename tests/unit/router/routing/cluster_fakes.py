@@ -2,10 +2,10 @@
 answers (info, stats, a generation stream) and failures are set by the test."""
 from collections.abc import AsyncIterator
 
-from pdserve.common.errors import WorkerUnavailableError
+from pdserve.common.errors import UnknownLoraAdapterError, WorkerUnavailableError
 from pdserve.common.ids import DeploymentId, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
-from pdserve.common.stats import EngineStats, ModelInfo, WorkerInfo, WorkerRole
+from pdserve.common.stats import EngineStats, LoraAdapterInfo, ModelInfo, WorkerInfo, WorkerRole
 from pdserve.router.routing.worker_pool import PoolConfig, WorkerPool
 
 TPB = 4
@@ -45,6 +45,8 @@ class FakeWorker:
         self.prefills_locally = False
         self.generated: list[tuple[RequestId, str | None]] = []  # (request id, prefill worker)
         self.aborted: list[RequestId] = []
+        self.loras: dict[str, LoraAdapterInfo] = {}  # loaded through the router
+        self.lora_error: Exception | None = None  # raised by the next load or unload
 
     def _check(self) -> None:
         if self.is_down:
@@ -70,6 +72,20 @@ class FakeWorker:
 
     async def abort(self, request_id: RequestId) -> None:
         self.aborted.append(request_id)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        self._check()
+        if self.lora_error is not None:
+            raise self.lora_error
+        self.loras[name] = LoraAdapterInfo(name, len(path), path)
+        return self.loras[name]
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        self._check()
+        if self.lora_error is not None:
+            raise self.lora_error
+        if self.loras.pop(name, None) is None:
+            raise UnknownLoraAdapterError(f"no LoRA adapter named {name!r} is loaded")
 
     async def close(self) -> None:
         pass

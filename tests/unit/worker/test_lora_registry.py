@@ -1,0 +1,109 @@
+"""A worker's adapters by name over a real engine thread: loads are idempotent for the same
+files and refused for other files under a taken name, the base model's name or a worker without
+LoRA; two names of the same files share one set of weights until both are unloaded; every change
+shows in the worker's `ModelInfo`."""
+import asyncio
+
+import pytest
+
+from pdserve.common.errors import InvalidRequestError, UnknownLoraAdapterError
+from pdserve.common.stats import ModelInfo, WorkerRole
+from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.core.scheduler import SchedulerConfig
+from pdserve.engine.model.lora import LoraSettings
+from pdserve.engine.model.runner import ModelRunner
+from pdserve.kvcache import KvCacheConfig, KvCacheManager
+from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.worker.lora_registry import LoraRegistry
+from tests.lora_builders import make_adapter
+from tests.unit.engine.token_store_runner import CharTokenizer
+
+INFO = ModelInfo("tiny", 128, 4, "sha256-v1", WorkerRole.BOTH, 300, (0,))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    model.save_pretrained(path)
+    for name, seed in (("a", 1), ("b", 2)):
+        make_adapter(model, path / name, seed=seed)
+    return path
+
+
+def _with_registry(folder, body, lora: LoraSettings | None = LoraSettings(max_loras=2, max_lora_rank=8)) -> None:
+    async def main():
+        runner = ModelRunner.load(folder, "float32", "cpu", num_blocks=16, tokens_per_block=4, lora=lora)
+        engine = ThreadedEngine(LLMEngine(runner, KvCacheManager(KvCacheConfig(tokens_per_block=4), 16),
+                                          CharTokenizer(), SchedulerConfig(8, 256, 128)), INFO, idle_wait_s=0.005)
+        engine.start()
+        try:
+            await body(LoraRegistry(engine), engine)
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+
+
+def test_loading_the_same_files_again_changes_nothing_and_other_files_are_refused(folder) -> None:
+    async def body(loras: LoraRegistry, engine: ThreadedEngine) -> None:
+        first = await loras.load("a", str(folder / "a"))
+        assert await loras.load("a", str(folder / "a")) == first
+        with pytest.raises(InvalidRequestError, match="loaded already, from other files"):
+            await loras.load("a", str(folder / "b"))
+        assert engine.info().lora_adapters == (first,)
+
+    _with_registry(folder, body)
+
+
+@pytest.mark.parametrize("name, path, message", [
+    ("tiny", "a", "the base model's name"),
+    ("", "a", "1 to 256 printable characters"),
+    ("x", "missing", "no adapter_config.json"),
+])
+def test_bad_loads_are_refused_naming_the_field(folder, name, path, message) -> None:
+    async def body(loras: LoraRegistry, engine: ThreadedEngine) -> None:
+        with pytest.raises(InvalidRequestError, match=message):
+            await loras.load(name, str(folder / path))
+        assert engine.info().lora_adapters == () and len(engine.engine.runner.lora) == 0
+
+    _with_registry(folder, body)
+
+
+def test_two_names_of_the_same_files_share_their_weights_until_both_go(folder) -> None:
+    async def body(loras: LoraRegistry, engine: ThreadedEngine) -> None:
+        a = await loras.load("a", str(folder / "a"))
+        alias = await loras.load("alias", str(folder / "a"))
+        assert alias.lora_id == a.lora_id and len(engine.engine.runner.lora) == 1
+        await loras.unload("a")
+        assert [x.name for x in engine.info().lora_adapters] == ["alias"]
+        assert a.lora_id in engine.engine.runner.lora
+        await loras.unload("alias")
+        assert engine.info().lora_adapters == () and a.lora_id not in engine.engine.runner.lora
+        with pytest.raises(UnknownLoraAdapterError):
+            await loras.unload("alias")
+
+    _with_registry(folder, body)
+
+
+def test_more_adapters_than_max_loras_are_refused(folder) -> None:
+    async def body(loras: LoraRegistry, engine: ThreadedEngine) -> None:
+        await loras.load("a", str(folder / "a"))
+        with pytest.raises(InvalidRequestError, match="max_loras"):
+            await loras.load("b", str(folder / "b"))
+        assert [x.name for x in engine.info().lora_adapters] == ["a"]
+
+    _with_registry(folder, body, LoraSettings(max_loras=1, max_lora_rank=8))
+
+
+def test_a_worker_without_lora_refuses_loads(folder) -> None:
+    async def body(loras: LoraRegistry, engine: ThreadedEngine) -> None:
+        with pytest.raises(InvalidRequestError, match="--enable-lora"):
+            await loras.load("a", str(folder / "a"))
+
+    _with_registry(folder, body, lora=None)

@@ -30,7 +30,7 @@ from pdserve.common.model_source import default_model_path
 from pdserve.common.request import GenerationRequest, SamplingParams
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc.tls import add_port, aio_channel
-from pdserve.worker.write_grants import granted, is_granted, new_order_key
+from pdserve.worker.kv.write_grants import granted, is_granted, new_order_key
 
 from serving_load import Workload, ratio
 from serving_stack import work_dir

@@ -21,7 +21,7 @@ from pdserve.rpc.gen import kv_transfer_pb2, kv_transfer_pb2_grpc, request_pb2, 
 from pdserve.rpc.status import MAX_DETAILS_CHARS
 from pdserve.transfer.handshake import PeerMetadata
 from pdserve.transfer.layout import KvLayoutSpec
-from pdserve.worker.write_grants import grant_of, new_order_key
+from pdserve.worker.kv.write_grants import grant_of, new_order_key
 from tests.fuzz.worker_calls import FuzzStack, assert_worker_sound
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ class PrefillOrder:
     first_block: int
     dest_block_ids: tuple[BlockId, ...]
     timeout_s: float
-    grant: bytes = b""  # the decode worker's HMAC over the fields above (worker/write_grants.py)
+    grant: bytes = b""  # the decode worker's HMAC over the fields above (worker/kv/write_grants.py)
 
 
 @dataclass(frozen=True, slots=True)

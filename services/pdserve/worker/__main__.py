@@ -29,7 +29,7 @@ from pdserve.rpc.lora_service import add_lora_service
 from pdserve.worker.admission import BoundedEngine
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine, cpu_summary
-from pdserve.worker.kv_events import kv_events_service
+from pdserve.worker.kv.events import kv_events_service
 from pdserve.worker.engine_metrics import export_engine
 from pdserve.worker.lora_registry import LoraRegistry
 from pdserve.worker.metrics import TransferMetrics

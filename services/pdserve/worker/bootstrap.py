@@ -27,7 +27,7 @@ from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device, resolve_dtype
 from pdserve.kvcache import HASH_ALGORITHM, KvCacheConfig, KvCacheManager
 from pdserve.worker.async_engine import ThreadedEngine
-from pdserve.worker.kv_tiers import KvTierStore, adopt_disk_blocks
+from pdserve.worker.kv.tiers import KvTierStore, adopt_disk_blocks
 from pdserve.worker.memory_budget import StepShape, cpu_kv_budget, gpu_kv_budget, non_kv_bytes
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 from pdserve.kvcache import ClaimResult
 from pdserve.worker.async_engine import ThreadedEngine
-from pdserve.worker.kv_peers import PrefillPeer, PrefillPeers
+from pdserve.worker.kv.peers import PrefillPeer, PrefillPeers
 from pdserve.worker.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)

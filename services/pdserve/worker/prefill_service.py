@@ -32,7 +32,7 @@ from pdserve.common.ids import RequestId, WorkerId
 from pdserve.transfer.interface import KvTransport
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.metrics import TransferMetrics
-from pdserve.worker.write_grants import is_granted
+from pdserve.worker.kv.write_grants import is_granted
 
 log = logging.getLogger(__name__)
 

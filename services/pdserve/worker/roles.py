@@ -23,7 +23,7 @@ from pdserve.transfer.interface import KvTransport
 from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.disagg import DecodeEngine, DisaggConfig
-from pdserve.worker.kv_peers import PrefillPeers
+from pdserve.worker.kv.peers import PrefillPeers
 from pdserve.worker.lora_registry import LoraRegistry
 from pdserve.worker.metrics import LOCAL_PREFILL_REASONS, TransferMetrics
 from pdserve.worker.prefill_service import PrefillService

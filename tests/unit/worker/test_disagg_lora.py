@@ -24,7 +24,7 @@ from pdserve.transfer.fake import FakeFabric, FakeTransport
 from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.disagg import DecodeEngine, DisaggConfig
-from pdserve.worker.kv_peers import PrefillPeers
+from pdserve.worker.kv.peers import PrefillPeers
 from pdserve.worker.lora_registry import LoraRegistry
 from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.prefill_service import PrefillService

@@ -17,7 +17,7 @@ from pdserve.router.routing.kv_subscriber import KvEventSubscriber
 from pdserve.router.routing.prefix_index import Overlap, PrefixIndex
 from pdserve.router.routing.routing_metrics import RoutingCounters
 from pdserve.worker.async_engine import ThreadedEngine
-from pdserve.worker.kv_events import KvEventPublisher
+from pdserve.worker.kv.events import KvEventPublisher
 from pdserve.worker.server import WorkerServer
 from pdserve.rpc.kv_events_service import SubscriberOverflow, add_kv_events_service
 from tests.unit.engine.test_llm_engine import make_engine, request

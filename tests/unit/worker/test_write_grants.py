@@ -12,8 +12,8 @@ from pdserve.common.ids import BlockId, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, SamplingParams
 from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.rpc.kv_transfer_service import add_kv_transfer_service
-from pdserve.worker.kv_peers import PrefillPeers
-from pdserve.worker.write_grants import grant_of, granted, is_granted, new_order_key
+from pdserve.worker.kv.peers import PrefillPeers
+from pdserve.worker.kv.write_grants import grant_of, granted, is_granted, new_order_key
 from tests.unit.worker.test_disagg_failures import _collect, _request, _run, _until, checkpoint  # noqa: F401
 
 KEY = new_order_key()

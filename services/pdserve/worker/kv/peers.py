@@ -21,7 +21,7 @@ from pdserve.common.ids import WorkerId
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.transfer.interface import KvTransport
-from pdserve.worker.write_grants import granted, new_order_key
+from pdserve.worker.kv.write_grants import granted, new_order_key
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 5.0

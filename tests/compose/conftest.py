@@ -16,7 +16,7 @@ from tests.integration.stack import free_port, start, stop, wait_for_http
 CACHE = Path(default_cache_dir()) / "compose"
 PROMETHEUS_PUBLIC = "prom/prometheus:v2.53.0"  # the compose file's image
 GRAFANA_PUBLIC = "grafana/grafana:11.1.0"
-DEMO_SERVICES = ("router", "prefill", "decode", "prometheus")
+DEMO_SERVICES = ("router", "prefill-a", "prefill-b", "decode", "prometheus")
 PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):",

@@ -13,7 +13,8 @@ from tests.integration.stack import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-PDSERVE_SERVICES = ("certs", "router", "prefill", "decode")  # all run the pdserve image
+PREFILL_SERVICES = ("prefill-a", "prefill-b")  # both behind the DNS name `prefill` the router resolves
+PDSERVE_SERVICES = ("certs", "router", *PREFILL_SERVICES, "decode")  # all run the pdserve image
 PROJECT_PREFIX = "pdservetest"
 READY_TIMEOUT_S = 300.0
 METRICS_SNIPPET = ("import urllib.request; "

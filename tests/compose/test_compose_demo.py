@@ -1,6 +1,7 @@
-"""The docker-compose demo, run for real: a router, a prefill and a decode worker in their own
-containers on one compose network, KV blocks moving between the workers over NIXL/UCX on TCP,
-Prometheus scraping all three. `pytest -m compose -rs` runs this alone.
+"""The docker-compose demo, run for real: a router, two prefill workers and a decode worker in
+their own containers on one compose network, found by the router through DNS names
+(`--worker-dns`) under mutual TLS, KV blocks moving between the workers over NIXL/UCX on TCP,
+Prometheus scraping all four. `pytest -m compose -rs` runs this alone.
 
 The tests share one demo and run in file order; the last one takes it down and checks that
 nothing of it (nor of the test's own Docker daemon) is left.
@@ -15,7 +16,7 @@ import yaml
 
 from pdserve.common.settings import WorkerSettings
 from tests.compose.conftest import MAX_TOKENS, PROMPTS, complete
-from tests.compose.demo import Demo, sample, wait_until
+from tests.compose.demo import PREFILL_SERVICES, Demo, sample, wait_until
 from tests.compose.docker_host import DockerHost
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
@@ -34,18 +35,29 @@ def test_greedy_outputs_through_the_router_equal_the_aggregated_server_on_the_ho
         assert got["usage"] == want["usage"]
 
 
+def test_the_router_found_both_prefill_workers_and_the_decode_worker_by_name(demo: Demo):
+    def workers_up() -> dict[str, int]:
+        lines = httpx.get(f"{demo.url}/metrics", timeout=10).text.splitlines()
+        up = [line for line in lines if line.startswith("pdserve_router_worker_up{") and line.endswith(" 1.0")]
+        return {role: sum(f'role="{role}"' in line for line in up) for role in ("prefill", "decode")}
+
+    wait_until(lambda: workers_up() == {"prefill": 2, "decode": 1}, SCRAPE_TIMEOUT_S,
+               "the router has two prefill workers and one decode worker in rotation")
+
+
 def test_kv_blocks_cross_from_the_prefill_to_the_decode_container(demo: Demo):
-    before = {name: demo.worker_metrics(name) for name in ("prefill", "decode")}
+    workers = (*PREFILL_SERVICES, "decode")
+    before = {name: demo.worker_metrics(name) for name in workers}
     # A prompt neither worker has seen: the decode worker has no prefix of it to reuse.
     prompt = " ".join(f"Row {i}: {i * 7} blue cars and {i * 3} yellow vans." for i in range(1, 30))
     answer = complete(demo.url, prompt, max_tokens=4)
-    after = {name: demo.worker_metrics(name) for name in ("prefill", "decode")}
+    after = {name: demo.worker_metrics(name) for name in workers}
 
     def delta(worker: str, name: str, direction: str) -> float:
         label = f'direction="{direction}"'
         return sample(after[worker], name, label) - sample(before[worker], name, label)
 
-    sent = delta("prefill", "pdserve_kv_transfer_bytes_total", "sent")
+    sent = sum(delta(name, "pdserve_kv_transfer_bytes_total", "sent") for name in PREFILL_SERVICES)
     received = delta("decode", "pdserve_kv_transfer_bytes_total", "received")
     blocks = delta("decode", "pdserve_kv_transfer_blocks_sum", "received")
     print(f"KV over NIXL/UCX: {received:.0f} bytes in {blocks:.0f} blocks for "
@@ -57,9 +69,9 @@ def test_kv_blocks_cross_from_the_prefill_to_the_decode_container(demo: Demo):
 def test_prometheus_scrapes_every_pdserve_target_and_the_dashboard_finds_its_series(demo: Demo):
     def all_up() -> bool:
         up = {r["metric"]["instance"]: r["value"][1] for r in demo.prometheus("up")}
-        return up == {"router:8000": "1", "prefill:9100": "1", "decode:9100": "1"}
+        return up == {"router:8000": "1", "prefill-a:9100": "1", "prefill-b:9100": "1", "decode:9100": "1"}
 
-    wait_until(all_up, SCRAPE_TIMEOUT_S, "Prometheus sees router, prefill and decode up")
+    wait_until(all_up, SCRAPE_TIMEOUT_S, "Prometheus sees the router and the three workers up")
     complete(demo.url, PROMPTS[0], max_tokens=2)  # traffic inside the dashboard's rate window
     queries = dashboard_queries()
     assert len(queries) >= 8

@@ -12,6 +12,8 @@ from prometheus_client import generate_latest
 
 from cryptography import x509
 
+from pdserve.common import pki
+
 from pdserve.common.settings import (
     RouterSettings,
     WorkerSettings,
@@ -71,27 +73,31 @@ def k8s_settings() -> dict[str, WorkerSettings | RouterSettings]:
     return found
 
 
-def test_compose_has_the_five_services_on_one_network() -> None:
+PREFILLS = ("prefill-a", "prefill-b")
+WORKERS = (*PREFILLS, "decode")
+
+
+def test_compose_has_its_services_on_one_network_the_prefill_workers_behind_one_name() -> None:
     services = load_compose()
-    assert sorted(services) == ["certs", "decode", "grafana", "prefill", "prometheus", "router"]
-    assert {name: service["networks"] for name, service in services.items()} == {
-        name: ["pdserve"] for name in services}
+    assert sorted(services) == ["certs", "decode", "grafana", "prefill-a", "prefill-b", "prometheus", "router"]
+    assert {name: service["networks"] for name, service in services.items() if name not in PREFILLS} == {
+        name: ["pdserve"] for name in services if name not in PREFILLS}
+    assert all(services[name]["networks"] == {"pdserve": {"aliases": ["prefill"]}} for name in PREFILLS)
 
 
-def test_compose_workers_have_their_role_and_the_router_calls_them() -> None:
+def test_compose_workers_have_their_role_and_the_router_finds_them_by_name() -> None:
     settings = compose_settings()
-    prefill, decode, router = settings["prefill"], settings["decode"], settings["router"]
-    assert isinstance(prefill, WorkerSettings) and isinstance(decode, WorkerSettings)
-    assert isinstance(router, RouterSettings)
-    assert (prefill.role, decode.role) == (WorkerRole.PREFILL, WorkerRole.DECODE)
-    assert router.workers == (f"prefill:{prefill.port}", f"decode:{decode.port}")
-    assert (prefill.host, decode.host, router.host) == ("0.0.0.0", "0.0.0.0", "0.0.0.0")
-    assert prefill.peer_name != decode.peer_name
+    prefills, decode, router = [settings[name] for name in PREFILLS], settings["decode"], settings["router"]
+    assert all(isinstance(w, WorkerSettings) for w in (*prefills, decode)) and isinstance(router, RouterSettings)
+    assert {w.role for w in prefills} == {WorkerRole.PREFILL} and decode.role == WorkerRole.DECODE
+    assert router.static_workers == () and router.worker_dns == (f"prefill:{prefills[0].port}", f"decode:{decode.port}")
+    assert {w.port for w in prefills} == {prefills[0].port}
+    assert {w.host for w in (*prefills, decode, router)} == {"0.0.0.0"}
 
 
 def test_compose_workers_move_kv_over_tcp_and_their_healthcheck_probes_their_health_port() -> None:
     services, settings = load_compose(), compose_settings()
-    for name in ("prefill", "decode"):
+    for name in WORKERS:
         worker = settings[name]
         assert isinstance(worker, WorkerSettings) and worker.health_port not in (None, 0, worker.port)
         assert services[name]["environment"]["UCX_TLS"] == "tcp,self"
@@ -104,7 +110,7 @@ def test_compose_workers_move_kv_over_tcp_and_their_healthcheck_probes_their_hea
 
 def test_compose_builds_the_image_once_and_every_pdserve_service_runs_it() -> None:
     services = load_compose()
-    pdserve = {name: s for name, s in services.items() if name in ("certs", "router", "prefill", "decode")}
+    pdserve = {name: s for name, s in services.items() if name in ("certs", "router", *WORKERS)}
     assert [name for name, s in services.items() if "build" in s] == ["certs"]
     assert services["certs"]["build"] == {"context": ".", "dockerfile": "deploy/Dockerfile"}
     assert {s["image"] for s in pdserve.values()} == {"pdserve:latest"}
@@ -116,10 +122,10 @@ def test_compose_workers_take_one_thread_each_and_keep_conversions_in_a_cache_vo
     services, settings = load_compose(), compose_settings()
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     assert "cache" in compose["volumes"]
-    for name in ("prefill", "decode", "router"):  # the default cache dir: ~/.cache/pdserve, HOME=/home/pdserve
+    for name in (*WORKERS, "router"):  # the default cache dir: ~/.cache/pdserve, HOME=/home/pdserve
         assert "cache:/home/pdserve/.cache" in services[name]["volumes"]
         assert settings[name].cache_dir == default_cache_dir()
-    assert (settings["prefill"].num_threads, settings["decode"].num_threads) == (1, 1)
+    assert {settings[name].num_threads for name in WORKERS} == {1}
 
 
 def test_compose_restarts_every_service_but_the_one_shot_certs() -> None:
@@ -132,8 +138,8 @@ def test_prometheus_scrapes_the_router_and_each_worker_metrics_port() -> None:
     settings = compose_settings()
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets = [t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]]
-    assert targets == [f"router:{settings['router'].port}", f"prefill:{settings['prefill'].metrics_port}",
-                       f"decode:{settings['decode'].metrics_port}"]
+    assert targets == [f"router:{settings['router'].port}",
+                       *(f"{name}:{settings[name].metrics_port}" for name in WORKERS)]
 
 
 def test_k8s_deployments_resolve_and_the_router_calls_each_worker_service() -> None:
@@ -174,6 +180,11 @@ def test_each_k8s_pod_mounts_the_authority_and_only_its_own_key_from_the_generat
     assert in_secret == {"ca.crt", *(f"{i}.{ext}" for i in identities for ext in ("crt", "key"))}
 
 
+def network_aliases(service: dict) -> list[str]:
+    networks = service.get("networks", [])
+    return networks["pdserve"].get("aliases", []) if isinstance(networks, dict) else []
+
+
 def test_the_compose_certs_service_makes_each_identity_valid_at_the_name_it_is_dialled_by(tmp_path: Path) -> None:
     services, settings = load_compose(), compose_settings()
     argv = [str(a) for a in services["certs"]["command"]]
@@ -181,18 +192,22 @@ def test_the_compose_certs_service_makes_each_identity_valid_at_the_name_it_is_d
     argv[argv.index("--out") + 1] = str(tmp_path)
     assert certs_main(argv[1:]) == 0
     router = settings["router"]
-    dialled = {address.split(":")[0] for address in router.workers}
+    dns_names = {address.split(":")[0] for address in router.worker_dns}
     identities = {}
-    for name in ("router", "prefill", "decode"):
+    for name in ("router", *WORKERS):
         folder = tmp_path / Path(settings[name].tls_dir).relative_to("/etc/pdserve/tls")
         tls = TlsConfig.from_dir(str(folder))
         names = x509.load_pem_x509_certificate(tls.cert).extensions.get_extension_for_class(
             x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
-        assert name in names and (name == "router" or name in dialled)
+        # Valid at its service name and aliases, and at the internal name a channel to its
+        # container IP checks (rpc/tls.py); a worker is found by one of those names.
+        known_as = {name, *network_aliases(services[name])}
+        assert known_as <= set(names) and pki.INTERNAL_NAME in names
+        assert name == "router" or known_as & dns_names
         identities[name] = tls.identity
         assert "tls:/etc/pdserve/tls:ro" in services[name]["volumes"]
         assert services[name]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
-    assert len(set(identities.values())) == 3 and identities["router"] == "router"
+    assert len(set(identities.values())) == 4 and identities["router"] == "router"
 
 
 def test_k8s_services_select_their_deployments_pods() -> None:

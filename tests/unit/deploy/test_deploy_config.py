@@ -142,19 +142,20 @@ def test_prometheus_scrapes_the_router_and_each_worker_metrics_port() -> None:
                        *(f"{name}:{settings[name].metrics_port}" for name in WORKERS)]
 
 
-def test_k8s_deployments_resolve_and_the_router_calls_each_worker_service() -> None:
+def test_k8s_deployments_resolve_and_the_router_finds_each_worker_service_by_name() -> None:
     docs, settings = load_k8s(), k8s_settings()
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     assert sorted(services) == sorted(settings) == ["pdserve-decode", "pdserve-prefill", "pdserve-router"]
     router = settings.pop("pdserve-router")
     assert isinstance(router, RouterSettings)
-    called = dict(address.rsplit(":", 1) for address in router.workers)
+    assert router.static_workers == ()
+    called = dict(address.rsplit(":", 1) for address in router.worker_dns)
     assert {name: worker.role for name, worker in settings.items()} == {
         "pdserve-prefill": WorkerRole.PREFILL, "pdserve-decode": WorkerRole.DECODE}
     for name, worker in settings.items():
         assert isinstance(worker, WorkerSettings)
         grpc = next(p for p in services[name]["spec"]["ports"] if p["name"] == "grpc")
-        assert int(called[name]) == grpc["port"]
+        assert int(called[name]) == grpc["port"] and services[name]["spec"]["clusterIP"] == "None"  # headless
         assert worker.worker_id is None and worker.tls_dir == "/etc/pdserve/tls"  # its id: its certificate's
 
 

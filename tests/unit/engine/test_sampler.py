@@ -6,7 +6,8 @@ import torch
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.request import SamplingParams
-from pdserve.engine.model.sampler import Sampler, SamplingRow, _filter_top_k_top_p, make_generator
+from pdserve.engine.model.sampler import (CANDIDATES, Sampler, SamplingRow, _filter_sorted, _filter_top_k_top_p,
+                                          make_generator)
 
 VOCAB = 1000
 
@@ -154,3 +155,22 @@ def test_nonsense_params_raise_before_any_draw(params, param):
 def test_row_count_must_match_logits():
     with pytest.raises(ValueError):
         Sampler(seed=0).sample(random_logits(2), [SamplingRow(SamplingParams())])
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_the_candidate_filter_keeps_exactly_what_a_full_sort_keeps(case: int) -> None:
+    """Top-k / top-p among each row's best tokens equals the full sort, ties, -inf rows and
+    nuclei that reach past the candidates (the fallback) included."""
+    gen = torch.Generator().manual_seed(case)
+    vocab = 6 * CANDIDATES
+    scale = [0.5, 3.0, 8.0][case % 3]  # flat rows put the nucleus past the candidates
+    logits = torch.randn((6, vocab), generator=gen) * scale
+    if case % 4 == 1:
+        logits = (logits * 2).round() / 2  # many equal logits
+    if case % 5 == 2:
+        logits[0, torch.randperm(vocab, generator=gen)[: vocab - 10]] = float("-inf")  # a guided row
+    top_k = [0, 50, 0, CANDIDATES + 7, 1, 0]
+    top_p = [0.9, 0.8, 0.99, 1.0, 0.5, 5e-324]
+    fast, full = _filter_top_k_top_p(logits, top_k, top_p), _filter_sorted(logits, top_k, top_p)
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(full))
+    assert torch.equal(fast[torch.isfinite(fast)], full[torch.isfinite(full)])

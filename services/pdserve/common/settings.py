@@ -5,13 +5,12 @@ flag: `--max-model-len`, `PDSERVE_MAX_MODEL_LEN`, `max-model-len:` (or `max_mode
 Precedence, highest first: flag > environment variable > file named by `--config` (or
 `PDSERVE_CONFIG`; YAML, TOML or JSON) > the field's default. Flags take vLLM's names where
 the meaning is the same. A bad value raises ConfigError naming where it came from, e.g.
-`PDSERVE_BLOCK_SIZE='12': must be a power of two`. No other module reads the environment.
+`PDSERVE_BLOCK_SIZE='12': must be a power of two`. The sources are read in
+`setting_sources.py`; no module beyond these two reads the environment.
 `pdserve serve`'s settings (a router and its workers) are built from these in `serve/settings.py`.
 """
 import dataclasses
-import logging
 import os
-import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,17 +20,11 @@ from typing import Any, TypeVar
 from pdserve.common import config_options as cv
 from pdserve.common.errors import ConfigError
 from pdserve.common.model_source import default_model_path, served_name
+from pdserve.common.setting_sources import build_section, resolve_sources
 from pdserve.common.stats import WorkerRole
 
-log = logging.getLogger(__name__)
 
 ENV_PREFIX = cv.ENV_PREFIX
-# Kubernetes puts `<SERVICE>_PORT=tcp://10.0.0.1:8000` into every pod for each Service of its
-# namespace (service links): a Service named `pdserve` sets PDSERVE_PORT, one named
-# `pdserve-metrics` PDSERVE_METRICS_PORT. No pdserve setting takes such a URL, so one is ignored.
-SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://[^\s/]+:\d+")
-REDACTED = "<redacted>"
-CONFIG_ENV = "PDSERVE_CONFIG"
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -345,63 +338,9 @@ class RouterSettings:
         return self.workers or (() if self.worker_dns else (DEFAULT_WORKER,))
 
 
-# ---- resolution: flag > environment > config file > default ---------------------------------
+# ---- resolution: flag > environment > config file > default (see setting_sources.py) --------
 
 T = TypeVar("T")
-Target = cv.Target
-
-
-def resolve_sources(prog: str, options: list[cv.Option], argv: Sequence[str] | None,
-                    environ: Mapping[str, str] | None) -> tuple[dict[Target, object], dict[Target, str]]:
-    """Each set field's value and the label of the source it came from (e.g. `--port`)."""
-    env = os.environ if environ is None else environ
-    cli = vars(cv.build_parser(prog, options).parse_args(argv))
-    positional_model = cli.pop("model_tag", None)
-    if positional_model is not None:
-        given = cli.setdefault("model", positional_model)
-        check(given == positional_model, "--model", given, f"names another model than the positional {positional_model!r}")
-    config_path = cli.pop("config", None) or env.get(CONFIG_ENV)
-    in_file = cv.file_values(config_path, options) if config_path else {}
-    values: dict[Target, object] = {}
-    labels: dict[Target, str] = {}
-    for o in options:
-        dest = o.flag.replace("-", "_")
-        if dest in cli:
-            raw, label = cli[dest], f"--{o.flag}"
-        elif o.env_var in env and not is_service_link(o.env_var, env[o.env_var]):
-            raw, label = env[o.env_var], o.env_var
-        elif o.flag in in_file:
-            raw, label = in_file[o.flag], f"{o.flag} (in {config_path})"
-        else:
-            continue
-        try:
-            value = o.parse(raw)
-        except ValueError as exc:
-            raise ConfigError(label, REDACTED if o.is_secret else raw, str(exc)) from None
-        values.update((t, value) for t in o.targets)
-        labels.update((t, label) for t in o.targets)
-    return values, labels
-
-
-def is_service_link(name: str, value: str) -> bool:
-    """Whether `name=value` is a Kubernetes service link rather than a setting (logged when so)."""
-    if SERVICE_LINK.fullmatch(value.strip()) is None:
-        return False
-    log.warning("ignoring %s=%r: a Kubernetes service link, not a pdserve setting (set enableServiceLinks: "
-                "false in the pod spec to keep it out)", name, value)
-    return True
-
-
-def build_section(cls: type[T], section: str, options: list[cv.Option], values: dict[Target, object],
-                  labels: dict[Target, str], **extra: object) -> T:
-    """`cls` from its section's values; a ConfigError names the flag or source of the field."""
-    kwargs = {name: value for (sec, name), value in values.items() if sec == section}
-    try:
-        return cls(**kwargs, **extra)
-    except ConfigError as exc:
-        flags = {t: f"--{o.flag}" for o in options for t in o.targets}
-        where = labels.get((section, exc.field)) or flags.get((section, exc.field), exc.field)
-        raise ConfigError(where, exc.value, exc.reason) from None
 
 
 def _resolve_one(cls: type[T], prog: str, argv: Sequence[str] | None,

@@ -20,15 +20,13 @@ from dataclasses import dataclass
 from pdserve.common import config_options as cv
 from pdserve.common.errors import ConfigError
 from pdserve.common.ports import free_ports
+from pdserve.common.setting_sources import Target, build_section, resolve_sources
 from pdserve.common.settings import (
     RouterSettings,
-    Target,
     WorkerSettings,
-    build_section,
     check,
     check_positive,
     opt,
-    resolve_sources,
 )
 from pdserve.common.stats import WorkerRole
 from pdserve.serve.supervisor import RestartPolicy

@@ -1,11 +1,12 @@
 """Helpers for integration tests that start real pdserve processes on loopback."""
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -180,3 +181,33 @@ def metric(url: str, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+@contextlib.contextmanager
+def routed_cluster(checkpoint: str, logs: Path, roles: Sequence[str], worker_args: Sequence[str] = (),
+                   router_args: Sequence[str] = ()) -> Iterator[tuple[str, dict[str, subprocess.Popen]]]:
+    """Workers of `roles` (each on a free port, `worker_args` added) behind one `pdserve router`
+    (`router_args` added) on the tiny `checkpoint`; yields the router's URL and the workers by
+    address, and stops them all."""
+    common = ["--model", checkpoint, "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
+              "--max-kv-tokens", "4096", "--num-threads", "1", *worker_args]
+    ports = [free_port() for _ in roles]
+    workers = {f"127.0.0.1:{port}": start(["worker", "--role", role, "--port", str(port), *common],
+                                          logs / f"{role}-{port}.log")
+               for role, port in zip(roles, ports, strict=True)}
+    router_port = free_port()
+    url = f"http://127.0.0.1:{router_port}"
+    router = None
+    try:
+        for address, process in workers.items():
+            wait_for_worker(address, process)
+        router = start(["router", "--model", checkpoint, "--port", str(router_port), "--worker-poll-interval", "0.2",
+                        *router_args, *[arg for address in workers for arg in ("--worker", address)]],
+                       logs / "router.log")
+        wait_for_http(url, [router])
+        yield url, workers
+    finally:
+        if router is not None:
+            stop(router)
+        for process in workers.values():
+            stop(process)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.stack import free_port, make_tiny_checkpoint, metric, start, stop, wait_for_http, wait_for_worker
+from tests.integration.stack import make_tiny_checkpoint, metric, routed_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 ROLES = ("prefill", "decode", "decode")
@@ -22,29 +22,9 @@ KILL_AFTER_CHUNKS = 12
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[dict]:
     checkpoint = str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
-    logs = tmp_path_factory.mktemp("logs")
-    common = ["--model", checkpoint, "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-              "--max-kv-tokens", "4096", "--num-threads", "1"]
-    ports = [free_port() for _ in ROLES]
-    workers = {f"127.0.0.1:{port}": start(["worker", "--role", role, "--port", str(port),
-                                           "--disagg-min-prefill-tokens", "1", *common], logs / f"{role}-{port}.log")
-               for role, port in zip(ROLES, ports, strict=True)}
-    router_port = free_port()
-    url = f"http://127.0.0.1:{router_port}"
-    router = None
-    try:
-        for address, process in workers.items():
-            wait_for_worker(address, process)
-        router = start(["router", "--model", checkpoint, "--port", str(router_port), "--worker-poll-interval", "0.2",
-                        "--migration-limit", "2", *[arg for address in workers for arg in ("--worker", address)]],
-                       logs / "router.log")
-        wait_for_http(url, [router])
+    with routed_cluster(checkpoint, tmp_path_factory.mktemp("logs"), ROLES, ["--disagg-min-prefill-tokens", "1"],
+                        ["--migration-limit", "2"]) as (url, workers):
         yield {"url": url, "workers": workers}
-    finally:
-        if router is not None:
-            stop(router)
-        for process in workers.values():
-            stop(process)
 
 
 def body(stream: bool) -> dict[str, object]:

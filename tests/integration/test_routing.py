@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.stack import free_port, make_tiny_checkpoint, start, stop, wait_for_http, wait_for_worker
+from tests.integration.stack import make_tiny_checkpoint, routed_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 BLOCK = 16
@@ -20,28 +20,9 @@ ROLES = ("prefill", "prefill", "decode", "decode")
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[dict]:
     checkpoint = str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
-    logs = tmp_path_factory.mktemp("logs")
-    common = ["--model", checkpoint, "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-              "--max-kv-tokens", "4096", "--block-size", str(BLOCK), "--num-threads", "1", "--log-level", "info"]
-    ports = [free_port() for _ in ROLES]
-    workers = {f"127.0.0.1:{port}": start(["worker", "--role", role, "--port", str(port),
-                                           "--disagg-min-prefill-tokens", "1", *common], logs / f"{role}-{port}.log")
-               for role, port in zip(ROLES, ports, strict=True)}
-    router_port = free_port()
-    url = f"http://127.0.0.1:{router_port}"
-    router = None
-    try:
-        for address, process in workers.items():
-            wait_for_worker(address, process)
-        router = start(["router", "--model", checkpoint, "--port", str(router_port), "--worker-poll-interval", "0.2",
-                        *[arg for address in workers for arg in ("--worker", address)]], logs / "router.log")
-        wait_for_http(url, [router])
+    worker_args = ["--block-size", str(BLOCK), "--log-level", "info", "--disagg-min-prefill-tokens", "1"]
+    with routed_cluster(checkpoint, tmp_path_factory.mktemp("logs"), ROLES, worker_args) as (url, workers):
         yield {"url": url, "workers": workers, "prefill": list(workers)[:2], "decode": list(workers)[2:]}
-    finally:
-        if router is not None:
-            stop(router)
-        for process in workers.values():
-            stop(process)
 
 
 def complete(url: str, prompt: list[int], salt: str | None = None) -> httpx.Response:

@@ -46,7 +46,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        gen_request = convert.request_from_proto(request)
+        try:
+            gen_request = convert.request_from_proto(request)
+        except PdserveError as exc:  # no request can be made of the message (an unknown guide kind): nothing ran
+            await _fail(context, exc)
+            return
         try:
             await self._stream(gen_request, convert.prefill_worker_from_proto(request), context)
         except DuplicateRequestError as exc:  # the id names another live request: leave it be

@@ -7,7 +7,9 @@ import sys
 from collections.abc import Mapping
 from typing import TextIO
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter
+
+from pdserve.common.metrics_http import serve_metrics
 
 
 class WorkerRestarts:
@@ -24,8 +26,7 @@ class WorkerRestarts:
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on `host:port` (0: any free port); returns the bound port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        return serve_metrics(self.registry, host, port)
 
     def child_died(self, name: str, exit_code: int, backoff_s: float, num_deaths_in_a_row: int) -> None:
         self._say(f"{name} exited with code {exit_code}; restarting it in {backoff_s:g} s "

@@ -7,7 +7,9 @@ prefill worker that makes it (the only side that sees where the prefill ends and
 begins); `pdserve_remote_prefill_seconds` is the decode worker's wait for a peer's prefill and
 its write together. Bytes, blocks and failures are counted on both sides (`direction`).
 """
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pdserve.common.metrics_http import serve_metrics
 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 REMOTE_PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -54,5 +56,4 @@ class TransferMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on `host:port` (0: any free port); returns the bound port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+        return serve_metrics(self.registry, host, port)

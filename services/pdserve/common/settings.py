@@ -138,8 +138,8 @@ class WorkerSettings:
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
     worker_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
                                 help="name of this worker to its peers (default: the identity in its TLS "
-                                     f"certificate, else ${POD_NAME_ENV} when set (Kubernetes' downward API), "
-                                     "else <role>@<host name>:<port>)")
+                                     f"certificate, <identity>/${POD_NAME_ENV} in a pod; without TLS ${POD_NAME_ENV} "
+                                     "when set (Kubernetes' downward API), else <role>@<host name>:<port>)")
     tls_dir: str | None = tls_dir_option()
     insecure_internal: bool = insecure_internal_option()
     deployment_id: str | None = opt(None, parse=cv.optional(cv.parse_str),
@@ -355,12 +355,16 @@ def resolve_worker_settings(argv: Sequence[str] | None = None,
     """`pdserve worker`'s settings. `environ` None reads the process environment.
     Raises ConfigError for a bad value; exits (argparse) on an unknown flag or --help."""
     settings = _resolve_one(WorkerSettings, "pdserve worker", argv, environ)
-    pod_name = (os.environ if environ is None else environ).get(POD_NAME_ENV)
-    if settings.worker_id is None and settings.tls_dir is None and pod_name:
-        # With TLS the certificate names the worker (`worker/__main__.py`); the pod name never
-        # contradicts it.
-        return dataclasses.replace(settings, worker_id=pod_name)
+    pod = pod_name(environ)
+    if settings.worker_id is None and settings.tls_dir is None and pod:
+        # With TLS the certificate names the worker, the pod its instance (`worker/__main__.py`).
+        return dataclasses.replace(settings, worker_id=pod)
     return settings
+
+
+def pod_name(environ: Mapping[str, str] | None = None) -> str | None:
+    """The Kubernetes pod this process runs in (`POD_NAME`, from the downward API), if any."""
+    return (os.environ if environ is None else environ).get(POD_NAME_ENV) or None
 
 
 def resolve_router_settings(argv: Sequence[str] | None = None,

@@ -56,3 +56,11 @@ def resolve_tls(tls_dir: str | None, insecure_internal: bool, setting: str = "--
 
 INSECURE_WARNING = ("INSECURE: the internal gRPC plane runs in plain text (--insecure-internal): anyone who can "
                     "reach this process's gRPC port can read and write its KV cache")
+
+
+def speaks_for(identity: str, worker_id: str) -> bool:
+    """Whether a certificate naming `identity` may act as `worker_id`: its own name, or one of
+    its instances, `<identity>/<instance>` (the pods of one Deployment share a certificate,
+    each instance named after its pod, so NIXL agent names stay distinct)."""
+    return worker_id == identity or worker_id.startswith(identity + "/")
+

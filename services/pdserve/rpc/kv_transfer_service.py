@@ -1,9 +1,10 @@
 """The KvTransfer gRPC service: a thin shell over a prefill worker's `KvTransferHandler`.
 
 Over mutual TLS the caller's certificate names who it is, and a call may speak only for that
-identity: a handshake's worker id, and a prefill order's decode worker, must be the caller's
-identity (PERMISSION_DENIED otherwise, before the handler sees the call). So a peer is replaced
-only by the same identity, and no caller orders writes into another worker's blocks.
+identity or an instance of it (`<identity>/<pod>`, `common/tls.speaks_for`): a handshake's
+worker id, and a prefill order's decode worker, must be the caller's (PERMISSION_DENIED
+otherwise, before the handler sees the call). So a peer is replaced only by the same identity,
+and no caller orders writes into another worker's blocks.
 """
 from typing import Protocol
 
@@ -14,6 +15,7 @@ from pdserve.common.errors import PdserveError, PermissionDeniedError
 from pdserve.rpc import kv_transfer as convert
 from pdserve.rpc.gen import kv_transfer_pb2_grpc
 from pdserve.rpc.status import status_of
+from pdserve.common.tls import speaks_for
 from pdserve.rpc.tls import caller_identity
 
 
@@ -56,7 +58,7 @@ def add_kv_transfer_service(server: grpc.aio.Server, handler: KvTransferHandler)
 
 def _check_speaks_for(context: grpc.aio.ServicerContext, worker_id: str, action: str) -> None:
     identity = caller_identity(context)
-    if identity is not None and identity != worker_id:
+    if identity is not None and not speaks_for(identity, worker_id):
         raise PermissionDeniedError(f"a caller with identity {identity!r} may not {action} {worker_id!r}")
 
 

@@ -19,8 +19,8 @@ import sys
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
 from pdserve.common.ports import check_port_free
-from pdserve.common.settings import WorkerSettings, apply_worker_runtime_defaults, resolve_worker_settings
-from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls
+from pdserve.common.settings import WorkerSettings, apply_worker_runtime_defaults, pod_name, resolve_worker_settings
+from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls, speaks_for
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
 from pdserve.engine.model.lora import LoraSettings
@@ -78,16 +78,20 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def with_identity(settings: WorkerSettings) -> tuple[WorkerSettings, TlsConfig | None]:
+def with_identity(settings: WorkerSettings, pod: str | None = None) -> tuple[WorkerSettings, TlsConfig | None]:
     """The settings with the worker id bound to the certificate's identity, and the credentials.
-    ConfigError when `--worker-id` names another identity than the certificate."""
+    In a pod (`pod`, its name) the id is `<identity>/<pod>`, so the replicas of a Deployment,
+    which share one certificate, keep distinct ids. ConfigError when `--worker-id` names
+    another identity than the certificate."""
     tls = resolve_tls(settings.tls_dir, settings.insecure_internal)
     if tls is None:
         return settings, None
-    if settings.worker_id not in (None, tls.identity):
+    worker_id = settings.worker_id or (f"{tls.identity}/{pod}" if pod else tls.identity)
+    if not speaks_for(tls.identity, worker_id):
         raise ConfigError("--worker-id", settings.worker_id,
-                          f"the certificate in {settings.tls_dir} names {tls.identity!r}; a worker's id is its identity")
-    return dataclasses.replace(settings, worker_id=tls.identity), tls
+                          f"the certificate in {settings.tls_dir} names {tls.identity!r}; a worker's id is its "
+                          "identity, or <identity>/<instance>")
+    return dataclasses.replace(settings, worker_id=worker_id), tls
 
 
 async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> None:
@@ -156,7 +160,7 @@ def check_ports(settings: WorkerSettings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings, tls = with_identity(resolve_worker_settings(argv))
+        settings, tls = with_identity(resolve_worker_settings(argv), pod_name())
         check_ports(settings)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -50,8 +50,13 @@ def deployments(docs: list[dict]) -> dict[str, dict]:
 
 def settings_of(container: dict) -> WorkerSettings | RouterSettings:
     kind, *flags = [str(a) for a in container["args"]]
-    env = {e["name"]: str(e["value"]) for e in container.get("env", [])}
+    env = plain_env(container)
     return {"worker": resolve_worker_settings, "router": resolve_router_settings}[kind](flags, env)
+
+
+def plain_env(container: dict) -> dict[str, str]:
+    """A container's environment given as values (POD_NAME, from the downward API, as a pod's name)."""
+    return {e["name"]: str(e["value"]) if "value" in e else "pdserve-pod-0" for e in container.get("env", [])}
 
 
 def cpus(quantity: str) -> float:
@@ -181,7 +186,7 @@ def test_the_overlays_choose_the_device(overlay) -> None:
         else:
             assert (settings.device, limits["nvidia.com/gpu"]) == ("cuda", 1)
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-            assert "cuda_copy" in {e["name"]: e["value"] for e in container["env"]}["UCX_TLS"]
+            assert "cuda_copy" in plain_env(container)["UCX_TLS"]
 
 
 def test_a_worker_address_never_names_two_pods(overlay) -> None:
@@ -202,8 +207,7 @@ def test_the_network_policy_admits_worker_traffic_only_from_the_router_and_peer_
     selected = {n for n, labels in pods.items() if is_selected(policy["spec"]["podSelector"], labels)}
     assert selected == {"pdserve-prefill", "pdserve-decode"} and policy["spec"]["policyTypes"] == ["Ingress"]
     worker = settings_of(deployments(docs)["pdserve-decode"]["spec"]["template"]["spec"]["containers"][0])
-    env = {e["name"]: e["value"] for e in deployments(docs)["pdserve-decode"]["spec"]["template"]["spec"]
-           ["containers"][0]["env"]}
+    env = plain_env(deployments(docs)["pdserve-decode"]["spec"]["template"]["spec"]["containers"][0])
     low, high = (int(p) for p in env["UCX_TCP_PORT_RANGE"].split("-"))
     admitted: dict[str, set[tuple[int, int]]] = {}  # who -> (first, last) port ranges
     for rule in policy["spec"]["ingress"]:

@@ -82,7 +82,8 @@ def test_a_caller_speaks_only_for_the_identity_in_its_certificate() -> None:
         await server.start()
         outcomes: list[object] = []
         try:
-            for caller, claimed in (("mallory", "decode-0"), ("mallory", "mallory"), ("decode-0", "decode-0")):
+            for caller, claimed in (("mallory", "decode-0"), ("mallory", "mallory"), ("decode-0", "decode-0"),
+                                    ("decode-0", "decode-0/pod-a"), ("decode-0", "decode-00/pod-a")):
                 client = KvTransferClient(f"127.0.0.1:{port}", tls(caller))
                 for call in (client.handshake(Hello(WorkerId(claimed), b"m"), 5.0),
                              client.prefill(order_for(claimed), 5.0)):
@@ -99,8 +100,11 @@ def test_a_caller_speaks_only_for_the_identity_in_its_certificate() -> None:
     outcomes, calls = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert outcomes == ["a caller with identity 'mallory' may not handshake as 'decode-0'",
                         "a caller with identity 'mallory' may not order writes into the blocks of 'decode-0'",
-                        "ok", "ok", "ok", "ok"]
-    assert calls == ["handshake mallory", "prefill for mallory", "handshake decode-0", "prefill for decode-0"]
+                        "ok", "ok", "ok", "ok", "ok", "ok",  # an instance of its identity: one pod of a Deployment
+                        "a caller with identity 'decode-0' may not handshake as 'decode-00/pod-a'",
+                        "a caller with identity 'decode-0' may not order writes into the blocks of 'decode-00/pod-a'"]
+    assert calls == ["handshake mallory", "prefill for mallory", "handshake decode-0", "prefill for decode-0",
+                     "handshake decode-0/pod-a", "prefill for decode-0/pod-a"]
 
 
 @pytest.mark.parametrize("who", ["plain text", "another authority"])

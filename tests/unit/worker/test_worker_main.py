@@ -6,7 +6,7 @@ import pytest
 from pdserve.common import pki
 from pdserve.common.errors import ConfigError
 from pdserve.common.model_source import default_model_path
-from pdserve.common.settings import resolve_worker_settings
+from pdserve.common.settings import pod_name, resolve_worker_settings
 from pdserve.common.stats import WorkerRole
 from pdserve.worker.__main__ import CPU_DEFAULT_KV_BYTES, engine_spec, with_identity
 
@@ -62,6 +62,18 @@ def test_a_worker_id_is_its_certificates_identity(tmp_path) -> None:
     assert (settings.worker_id, settings.peer_name, tls.identity) == ("decode-0", "decode-0", "decode-0")
     with pytest.raises(ConfigError, match="names 'decode-0'; a worker's id is its identity"):
         with_identity(resolve_worker_settings(["--tls-dir", folder, "--worker-id", "decode-1"], NO_ENV))
+
+
+def test_in_a_pod_a_worker_id_is_an_instance_of_its_certificates_identity(tmp_path) -> None:
+    """The replicas of one Deployment share a certificate: each takes its pod's name as instance."""
+    folder = str(pki.Authority.create("test").issue("prefill-0").write(tmp_path))
+    pod = {"POD_NAME": "pdserve-prefill-7d9f-x2k4q"}
+    settings, _ = with_identity(resolve_worker_settings(["--tls-dir", folder], pod), pod_name(pod))
+    assert settings.worker_id == settings.peer_name == "prefill-0/pdserve-prefill-7d9f-x2k4q"
+    chosen, _ = with_identity(resolve_worker_settings(["--tls-dir", folder, "--worker-id", "prefill-0/a"], pod), "b")
+    assert chosen.worker_id == "prefill-0/a"
+    with pytest.raises(ConfigError, match="<identity>/<instance>"):
+        with_identity(resolve_worker_settings(["--tls-dir", folder, "--worker-id", "prefill-00"], pod), "b")
 
 
 def test_a_default_worker_id_on_a_wildcard_host_names_this_machine() -> None:

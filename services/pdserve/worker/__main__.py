@@ -19,7 +19,7 @@ import sys
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
 from pdserve.common.ports import check_port_free
-from pdserve.common.settings import WorkerSettings, apply_worker_runtime_defaults, pod_name, resolve_worker_settings
+from pdserve.common.settings import WorkerSettings, pod_name, resolve_worker_settings
 from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls, speaks_for
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
@@ -28,7 +28,7 @@ from pdserve.kvcache import KvCacheConfig
 from pdserve.rpc.lora_service import add_lora_service
 from pdserve.worker.admission import BoundedEngine
 from pdserve.worker.async_engine import ThreadedEngine
-from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine, cpu_summary
+from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine
 from pdserve.worker.kv.events import kv_events_service
 from pdserve.worker.engine_metrics import export_engine
 from pdserve.worker.lora_registry import LoraRegistry
@@ -99,8 +99,6 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     if tls is None:
         log.warning(INSECURE_WARNING)
     engine = build_threaded_engine(engine_spec(settings))
-    if engine.engine.runner.device.type == "cpu":
-        log.info("CPU: %s", cpu_summary(engine.engine, apply_worker_runtime_defaults()))
     loras = LoraRegistry(engine)
     if settings.enable_lora:
         log.info("LoRA enabled (up to %d adapters of rank <= %d): every step runs on torch ops, not the native "

@@ -6,8 +6,15 @@ typed commands, handled in order between steps (a decode worker's admission deci
 remote prefill and reserves in one of them); outputs go back to each request's asyncio queue
 with `call_soon_threadsafe`. The loop also wakes when idle
 (`idle_wait_s`), so periodic duties run every step even when no work arrives.
+
+A worker builds its engine on the loop's own thread (`ThreadedEngine.built_on_loop_thread`):
+OpenMP keeps one pool of threads per thread that opens parallel regions, and with a second
+pool (the weights loaded on the asyncio thread, the steps run on this one) libgomp counts more
+threads than cores and all but stops spinning at its barriers, so each of a step's ~250
+parallel regions waits for a woken thread: a batch-1 step took 1.6x as long.
 """
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -101,7 +108,7 @@ class ThreadedEngine:
     """Implements `worker.engine_api.AsyncEngine` over a synchronous `LLMEngine`."""
 
     def __init__(self, engine: LLMEngine, info: ModelInfo, idle_wait_s: float = 0.02,
-                 admit_timeout_s: float = 60.0) -> None:
+                 admit_timeout_s: float = 60.0, _on_thread: threading.Thread | None = None) -> None:
         self._engine = engine
         self._info = info
         self._idle_wait_s = idle_wait_s
@@ -114,19 +121,45 @@ class ThreadedEngine:
         self._queues = QueueView()
         self._kv_event_listeners: list[Callable[[list[KvEvent]], None]] = []
         self._step_stats_listeners: list[Callable[[StepStats], None]] = []
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._go = threading.Event()  # start() on an engine built on its loop thread
+        self._thread = _on_thread or threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    @classmethod
+    def built_on_loop_thread(cls, build: Callable[[], tuple[LLMEngine, ModelInfo]]) -> "ThreadedEngine":
+        """`build()` runs on a new thread, which then runs the steps once `start` is called; returns
+        when it is built, raising what `build` raised. Every torch thread pool of the engine
+        belongs to that one thread (see the module's docstring)."""
+        built: concurrent.futures.Future = concurrent.futures.Future()
+
+        def body() -> None:
+            try:
+                threaded = cls(*build(), _on_thread=threading.current_thread())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
+                built.set_exception(exc)
+                return
+            built.set_result(threaded)
+            threaded._go.wait()
+            threaded._run()
+
+        threading.Thread(target=body, name="engine-loop", daemon=True).start()
+        return built.result()
 
     @property
     def engine(self) -> LLMEngine:
         return self._engine
 
     def start(self) -> None:
-        self._thread.start()
+        if self._thread.is_alive():
+            self._go.set()
+        else:
+            self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout_s)
+        self._go.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
     def add_kv_event_listener(self, listener: Callable[[list[KvEvent]], None]) -> None:
         """Call `listener(events)` on the engine thread after each loop iteration that produced

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.settings import usable_cores
+from pdserve.common.settings import apply_worker_runtime_defaults, usable_cores
 from pdserve.common.stats import ModelInfo, WorkerRole
 from pdserve.models.tokenizer import load_tokenizer
 from pdserve.engine.model.kv_tensor import bytes_per_block, kv_storage_dtype
@@ -113,19 +113,33 @@ def cpu_summary(engine: LLMEngine, runtime: dict[str, str]) -> str:
     """One line on how the engine uses the CPU, for the worker's start-up log."""
     kernels = "native CPU kernels" if engine.runner.native is not None else "torch ops"
     env = ", ".join(f"{k}={v}" for k, v in runtime.items())
-    return (f"{kernels}; {torch.get_num_threads()} torch threads on {usable_cores()} usable cores "
+    return (f"{kernels}; {torch.get_num_threads()} torch threads (on the engine's thread) on {usable_cores()} usable cores "
             f"(--num-threads sets it); {env}")
 
 
 def build_threaded_engine(spec: EngineSpec) -> ThreadedEngine:
+    """The engine, built on the thread that will run its steps (see async_engine.py). The
+    calling thread keeps one torch thread, so that no tensor work on it (a KV transfer's
+    bookkeeping, an adapter's weights) opens a second OpenMP pool. Order matters: torch gives
+    a thread that has not asked yet the count set last by any thread, so this thread settles
+    its own count first and the engine's thread sets the engine's last."""
+    threads = spec.num_threads or torch.get_num_threads()
+    torch.set_num_threads(1)
+    return ThreadedEngine.built_on_loop_thread(lambda: _engine_and_info(spec, threads))
+
+
+def _engine_and_info(spec: EngineSpec, threads: int) -> tuple[LLMEngine, ModelInfo]:
+    torch.set_num_threads(threads)
     engine = build_llm_engine(spec)
+    if engine.runner.device.type == "cpu":
+        log.info("CPU: %s", cpu_summary(engine, apply_worker_runtime_defaults()))
     info = ModelInfo(
         model_name=spec.served_model_name, max_model_len=spec.scheduler.max_model_len,
         tokens_per_block=spec.kv.tokens_per_block, block_hash_algorithm=HASH_ALGORITHM, role=spec.role,
         vocab_size=engine.vocab_size, eos_token_ids=tuple(engine.tokenizer.eos_token_ids),
         lora_enabled=spec.lora is not None, max_loras=spec.lora.max_loras if spec.lora else 0,
     )
-    return ThreadedEngine(engine, info)
+    return engine, info
 
 
 def kv_memory_budget(spec: EngineSpec, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:

@@ -114,3 +114,48 @@ def test_a_duplicate_id_is_refused_alone_and_the_other_streams_finish(threaded):
                       ("x", 1): reference(prompts["x"], 30, eos=None)}
     assert set(reasons.values()) == {"length"}
     assert (integrity.ok, integrity.num_used_blocks) == (True, 0)
+
+
+def test_an_engine_built_on_its_loop_thread_steps_there():
+    """The build runs on a new thread, and the steps on that same thread once started."""
+    import threading
+
+    seen = {}
+
+    def build():
+        seen["build"] = threading.current_thread()
+        engine = make_engine()
+        step = engine.step
+
+        def recording_step():
+            seen["step"] = threading.current_thread()
+            return step()
+
+        engine.step = recording_step
+        return engine, INFO
+
+    threaded = ThreadedEngine.built_on_loop_thread(build)
+    assert seen["build"] is not threading.current_thread()
+    assert "step" not in seen  # nothing runs before start()
+    threaded.start()
+    try:
+        tokens, _ = asyncio.run(_collect(threaded, request("r", [5, 6, 7])))
+    finally:
+        threaded.stop()
+    assert tokens == reference([5, 6, 7], 8)
+    assert seen["step"] is seen["build"]
+    assert not seen["build"].is_alive()
+
+
+def test_a_failed_build_on_the_loop_thread_raises_to_the_caller():
+    def build():
+        raise ValueError("no weights")
+
+    with pytest.raises(ValueError, match="no weights"):
+        ThreadedEngine.built_on_loop_thread(build)
+
+
+def test_an_engine_stopped_before_it_started_ends_its_thread():
+    threaded = ThreadedEngine.built_on_loop_thread(lambda: (make_engine(), INFO))
+    threaded.stop(timeout_s=5)
+    assert not threaded._thread.is_alive()

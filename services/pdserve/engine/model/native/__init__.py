@@ -11,8 +11,13 @@ them near the CPU's peak.
 
 The extension is compiled on first use for the CPU it runs on (`-march=native`) and cached
 under `<cache_dir>/kernels/<key>`; the key covers the sources, torch's version and the CPU's
-flags, so a changed source or a cache copied to another CPU rebuilds instead of crashing.
+flags, so a changed source or a cache copied to another CPU rebuilds instead of crashing. The
+sources are copied into that folder and compiled from there, so checkouts in other places
+share one build; one process builds at a time, under a lock the system releases when its
+holder dies (torch's own lock file, left behind by a process killed mid-build, made every
+later start wait for ever), and a start waits at most BUILD_WAIT_S for another's build.
 """
+import fcntl
 import hashlib
 import logging
 import os
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("model.cpp", "attention.h", "prefill_attention.h", "elementwise.h", "gemm.h", "vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+BUILD_WAIT_S = 600.0  # for another process's build of the same kernels, then the torch path
 _loaded: dict[str, ModuleType | None] = {}
 
 
@@ -63,11 +69,10 @@ def _build(build_dir: Path) -> ModuleType | None:
     if not is_cached:
         log.info("compiling native CPU kernels into %s (first start only, about 30-60 s)", build_dir)
     start = time.monotonic()
-    here = Path(__file__).parent
     try:
-        with _ninja_on_path():
+        with _build_lock(build_dir, BUILD_WAIT_S), _ninja_on_path():
             module = cpp_extension.load(
-                name=f"pdserve_native_{build_dir.name}", sources=[str(here / "model.cpp")],
+                name=f"pdserve_native_{build_dir.name}", sources=[str(_staged_sources(build_dir) / "model.cpp")],
                 extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                 verbose=False)
     except Exception as exc:  # any build failure: serve on the torch path, say why
@@ -95,6 +100,39 @@ def _cpu_signature() -> str:
         return ""
     lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(lines)))
+
+
+@contextmanager
+def _build_lock(build_dir: Path, wait_s: float):
+    """Hold `build_dir`'s lock (TimeoutError after `wait_s`); while held, no other process is
+    building there, so a lock file torch's builder left behind is stale and is removed."""
+    with open(build_dir / "build.flock", "w") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process held {build_dir} for {wait_s:g} s") from None
+                time.sleep(0.2)
+        (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _staged_sources(build_dir: Path) -> Path:
+    """The sources copied into `build_dir/src` (rewritten only when changed, so an unchanged
+    build is not redone): the build then names the same paths from every checkout."""
+    here, staged = Path(__file__).parent, build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for name in SOURCES:
+        text = (here / name).read_bytes()
+        if not (staged / name).exists() or (staged / name).read_bytes() != text:
+            (staged / name).write_bytes(text)
+    return staged
 
 
 @contextmanager

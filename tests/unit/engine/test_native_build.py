@@ -1,0 +1,54 @@
+"""The native kernels' build folder: one builder at a time, no wait for ever, shared sources."""
+import fcntl
+import multiprocessing
+import time
+
+import pytest
+
+from pdserve.engine.model import native
+
+
+def test_a_lock_file_left_by_a_killed_build_is_removed_not_waited_on(tmp_path):
+    (tmp_path / "lock").write_text("")  # what torch's builder leaves when killed mid-build
+    with native._build_lock(tmp_path, wait_s=1.0):
+        assert not (tmp_path / "lock").exists()
+
+
+def _hold(folder, ready, release):
+    with open(folder / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        ready.set()
+        release.wait(30)
+
+
+def test_another_process_building_is_waited_on_within_a_bound(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(tmp_path, ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        (tmp_path / "lock").write_text("")  # the holder's build in progress
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            with native._build_lock(tmp_path, wait_s=0.5):
+                pass
+        assert 0.5 <= time.monotonic() - start < 10
+        assert (tmp_path / "lock").exists()  # a live builder's file is left alone
+    finally:
+        release.set()
+        holder.join(30)
+    with native._build_lock(tmp_path, wait_s=5.0):  # the lock died with its holder's release
+        pass
+
+
+def test_sources_are_staged_once_and_rewritten_only_when_changed(tmp_path):
+    staged = native._staged_sources(tmp_path)
+    assert sorted(p.name for p in staged.iterdir()) == sorted(native.SOURCES)
+    before = {name: (staged / name).stat().st_mtime_ns for name in native.SOURCES}
+    (staged / "vec.h").write_text("stale")
+    time.sleep(0.01)
+    native._staged_sources(tmp_path)
+    after = {name: (staged / name).stat().st_mtime_ns for name in native.SOURCES}
+    assert {n for n in native.SOURCES if after[n] != before[n]} == {"vec.h"}
+    assert (staged / "vec.h").read_text() != "stale"

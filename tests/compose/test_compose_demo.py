@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from pdserve.common.settings import WorkerSettings
+from pdserve.worker.__main__ import CPU_BLOCK_SIZE
 from tests.compose.conftest import MAX_TOKENS, PROMPTS, complete
 from tests.compose.demo import PREFILL_SERVICES, Demo, sample, wait_until
 from tests.compose.docker_host import DockerHost
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[2]
 RESTART_TIMEOUT_S = 180.0
 SCRAPE_TIMEOUT_S = 90.0
-BLOCK_SIZE = WorkerSettings().block_size  # the compose file leaves the default
+BLOCK_SIZE = CPU_BLOCK_SIZE  # the compose file leaves the default, and its workers run on CPUs
 
 
 def test_greedy_outputs_through_the_router_equal_the_aggregated_server_on_the_host(demo: Demo, reference):

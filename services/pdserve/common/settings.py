@@ -96,7 +96,8 @@ class WorkerSettings:
     device: str = opt("auto", parse=cv.choice(*DEVICES), help="auto picks cuda when present")
     dtype: str = opt("auto", parse=cv.choice(*DTYPES, aliases=DTYPE_ALIASES), help="model dtype")
     kv_cache_dtype: str = opt("auto", parse=cv.choice(*KV_CACHE_DTYPES), help="auto: the model dtype")
-    block_size: int = opt(16, parse=cv.parse_int, help="tokens per KV block (a power of two)")
+    block_size: int | None = opt(None, parse=cv.optional(cv.parse_int),
+                                 help="tokens per KV block (a power of two; default 64 on a CPU, 16 on a GPU)")
     max_model_len: int | None = opt(None, parse=cv.optional(cv.parse_int),
                                     help="longest prompt + output (default: the model's context length)")
     max_num_seqs: int = opt(64, parse=cv.parse_int, help="most requests running at once")
@@ -174,8 +175,8 @@ class WorkerSettings:
         check(self.enable_lora or not self.lora_modules, "lora_modules", self.lora_modules, "needs --enable-lora")
         check(len(self.lora_modules) <= self.max_loras, "lora_modules", self.lora_modules,
               f"more adapters than --max-loras ({self.max_loras})")
-        check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size,
-               "must be a power of two")
+        check(self.block_size is None or self.block_size & (self.block_size - 1) == 0, "block_size",
+              self.block_size, "must be a power of two")
         for name in ("port", "metrics_port", "health_port"):
             port = getattr(self, name)
             check(port is None or 0 <= port < 65536, name, port, "must be in 0..65535")
@@ -408,12 +409,12 @@ def child_environ(settings: WorkerSettings | RouterSettings | None = None) -> di
 # The OpenMP runtime and torch's allocator read these once, when torch loads, so a worker
 # puts them in its environment before importing torch; a value the user set wins.
 # Transparent huge pages: NIXL pins the KV tensor page by page, and transfers ran 1.4-2x
-# faster on huge pages (docs/transfer.md). A short OpenMP spin (about 30 us) before a
+# faster on huge pages (docs/transfer.md). A long OpenMP spin (some milliseconds) before a
 # waiting thread sleeps: a decode step opens ~250 parallel regions, and waking a sleeping
-# thread for each (OMP_WAIT_POLICY=PASSIVE) cost 7 ms of a 19 ms batch-1 step, while
-# spinning without end (ACTIVE) took the cores the router and gRPC threads need
-# (benchmarks/README.md, "Threads"). libgomp itself spins less when threads outnumber cores.
-WORKER_RUNTIME_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1", "GOMP_SPINCOUNT": "100000"}
+# thread for each (OMP_WAIT_POLICY=PASSIVE, or libgomp's short spin when it counts more
+# threads than cores) cost a third of a batch-1 step; a thread still sleeps once the engine
+# idles (benchmarks/README.md, "Threads").
+WORKER_RUNTIME_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1", "GOMP_SPINCOUNT": "1000000"}
 
 
 def apply_worker_runtime_defaults() -> dict[str, str]:

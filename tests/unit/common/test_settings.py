@@ -28,7 +28,7 @@ def write(tmp_path: Path, name: str, text: str) -> str:
 def test_defaults_with_no_sources() -> None:
     settings = resolve_worker_settings([], NO_ENV)
     assert settings == WorkerSettings(model=default_model_path())
-    assert (settings.block_size, settings.port, settings.enable_prefix_caching) == (16, 50051, True)
+    assert (settings.block_size, settings.port, settings.enable_prefix_caching) == (None, 50051, True)  # by device
     assert settings.model_name == "SmolLM2-135M-Instruct.Q4_1"
 
 

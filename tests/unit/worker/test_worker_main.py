@@ -2,13 +2,14 @@
 import socket
 
 import pytest
+import torch
 
 from pdserve.common import pki
 from pdserve.common.errors import ConfigError
 from pdserve.common.model_source import default_model_path
 from pdserve.common.settings import pod_name, resolve_worker_settings
 from pdserve.common.stats import WorkerRole
-from pdserve.worker.__main__ import CPU_DEFAULT_KV_BYTES, engine_spec, with_identity
+from pdserve.worker.__main__ import CPU_BLOCK_SIZE, CPU_DEFAULT_KV_BYTES, default_block_size, engine_spec, with_identity
 
 NO_ENV: dict[str, str] = {}
 
@@ -35,6 +36,12 @@ def test_unsized_cpu_cache_is_capped_and_context_comes_from_the_model() -> None:
     assert (spec.kv.max_total_bytes, spec.kv.max_tokens) == (CPU_DEFAULT_KV_BYTES, None)
     assert spec.scheduler.max_model_len == 8192  # SmolLM2-135M's context length
     assert spec.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert spec.kv.tokens_per_block == CPU_BLOCK_SIZE == 64  # a CPU's default block: longer runs to read
+
+
+def test_the_default_block_size_follows_the_device() -> None:
+    assert default_block_size(torch.device("cpu")) == 64
+    assert default_block_size(torch.device("cuda", 0)) == 16
 
 
 def test_explicit_token_limit_replaces_the_cpu_cap() -> None:

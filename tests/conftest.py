@@ -1,8 +1,16 @@
 """Fixtures every test folder may use: the bundled SmolLM2 GGUF and its tokenizer."""
+import os
+
 import pytest
 
 from pdserve.common.model_source import default_model_path
 from pdserve.models.tokenizer import Tokenizer, load_tokenizer
+
+# The process tests size their prompts and cached-token counts in 16-token KV blocks; a CPU
+# worker's default is 64 (worker/__main__.py). Workers and servers the tests start read this
+# environment variable unless they pass --block-size; unit tests resolve settings without the
+# environment, and the compose test's containers run on the real default.
+os.environ.setdefault("PDSERVE_BLOCK_SIZE", "16")
 
 
 @pytest.fixture(scope="session")

@@ -113,8 +113,8 @@ def cpu_summary(engine: LLMEngine, runtime: dict[str, str]) -> str:
     """One line on how the engine uses the CPU, for the worker's start-up log."""
     kernels = "native CPU kernels" if engine.runner.native is not None else "torch ops"
     env = ", ".join(f"{k}={v}" for k, v in runtime.items())
-    return (f"{kernels}; {torch.get_num_threads()} torch threads (on the engine's thread) on {usable_cores()} usable cores "
-            f"(--num-threads sets it); {env}")
+    return (f"{kernels}; {torch.get_num_threads()} torch threads (on the engine's thread) on {usable_cores()} "
+            f"usable cores (--num-threads sets it); {env}")
 
 
 def build_threaded_engine(spec: EngineSpec) -> ThreadedEngine:

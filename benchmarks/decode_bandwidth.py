@@ -21,6 +21,7 @@ import torch
 from pdserve.common.model_source import default_model_path
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.runner import ModelRunner
+from pdserve.worker.memory_budget import num_parameters
 
 from serving_load import Workload, ratio
 from vs_vllm import measure_topology
@@ -52,15 +53,11 @@ def read_bandwidth() -> float:
 
 
 def step_bytes(runner: ModelRunner) -> int:
-    """Weight bytes one decode step reads: every layer's matrices and norms, final norm, LM head."""
-    model = runner.model
-    tensors = [model.lm_head, model.norm.weight]
-    for layer in model.layers:
-        tensors += [layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down, layer.input_norm.weight,
-                    layer.post_norm.weight]
-        tensors += [b for b in (layer.qkv_bias, layer.o_bias, layer.mlp.gate_up_bias, layer.mlp.down_bias)
-                    if b is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Weight bytes one decode step reads: every layer's matrices, biases and norms, final norm,
+    LM head (an untied embedding is not read: a step looks up one row of it)."""
+    config = runner.config
+    untied_embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    return (num_parameters(config) - untied_embedding) * runner.dtype.itemsize
 
 
 def decode_step_s(runner: ModelRunner, context: int, steps: int) -> float:

@@ -20,6 +20,7 @@ from pdserve.engine.model.decoder import CausalLM
 from pdserve.engine.model.kv_tensor import PagedKvCache, allocate_kv_tensor
 from pdserve.engine.model.native_forward import KERNEL_CHOICES, build_native
 from pdserve.engine.model.runner import ModelRunner
+from pdserve.worker.memory_budget import num_parameters
 
 
 def parse_args() -> argparse.Namespace:
@@ -119,7 +120,7 @@ def main() -> None:
     result = {
         "config": {
             "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
-            "params_m": round(sum(p.numel() for p in _weights(runner)) / 1e6, 1),
+            "params_m": round(num_parameters(runner.config) / 1e6, 1),
             "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(),
             "kernels": "native" if runner.native is not None else "torch",
             "seqs": args.seqs, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
@@ -136,15 +137,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-
-
-def _weights(runner: ModelRunner) -> list[torch.Tensor]:
-    model = runner.model
-    tensors = [model.embed, model.lm_head, model.norm.weight]
-    for layer in model.layers:
-        tensors += [layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down,
-                    layer.input_norm.weight, layer.post_norm.weight]
-    return tensors
 
 
 if __name__ == "__main__":

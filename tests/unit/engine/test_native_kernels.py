@@ -1,10 +1,13 @@
-"""The native CPU kernels against plain torch references: the bf16 matrix product (with
-bias, residual and ragged shapes) and paged attention (grouped-query heads, cached prefixes,
-sliding windows, scattered block tables), in float32 and bfloat16."""
+"""The native CPU kernels against plain torch references: the matrix product on packed bf16
+weights (with bias, residual and ragged shapes) and paged attention (grouped-query heads,
+cached prefixes, sliding windows, scattered block tables), in float32 and bfloat16."""
 import pytest
 import torch
 
 from pdserve.engine.model.native import is_supported, load_native
+from pdserve.engine.model.native_forward import pack, packs_weights
+
+from model_builders import chunk, load_runner, prompt, run
 
 pytestmark = pytest.mark.skipif(not is_supported(), reason="the native kernels need an AVX-512 CPU")
 
@@ -16,32 +19,30 @@ def native():
     return module
 
 
-def matmul_model(native, max_rows: int):
+def matmul_model(native, packed: bool):
     e = torch.zeros(4, 64, dtype=torch.bfloat16)
     return native.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, [], torch.ones(16), 1, 1, 64, 1e-5, 0,
-                              max_rows)
+                              packed)
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 64, 576), (3, 37, 100), (5, 16, 32), (16, 9, 1536), (7, 130, 31)])
+@pytest.mark.parametrize("m, n, k", [(1, 64, 576), (3, 37, 100), (5, 16, 32), (16, 9, 1536), (70, 130, 31)])
 @pytest.mark.parametrize("with_bias, with_residual", [(False, False), (True, False), (True, True)])
-def test_bf16_matmul_equals_float_reference_rounded_once(native, m, n, k, with_bias, with_residual):
-    if not native.has_bf16_dot:
-        pytest.skip("this CPU has no AVX512-BF16: matrix products stay on oneDNN")
+def test_packed_bf16_matmul_equals_float_reference_rounded_once(native, m, n, k, with_bias, with_residual):
+    if not packs_weights(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 matrices stay plain")
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = (torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16())
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
     residual = torch.randn(m, n, generator=g).bfloat16() if with_residual else None
-    y = matmul_model(native, 64).linear(x, w, bias, residual)
-    expected = x.float() @ w.float().T + (bias.float() if with_bias else 0)
-    if with_residual:
-        expected = expected.bfloat16().float() + residual.float()
+    y = matmul_model(native, True).linear(x, pack(w), bias, residual)
+    expected = x.float() @ w.float().T + (bias.float() if with_bias else 0) + (residual.float() if with_residual else 0)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     torch.testing.assert_close(y.float(), expected.bfloat16().float(), atol=1e-2, rtol=1e-2)
 
 
-def test_rows_above_the_threshold_go_to_torch_and_agree(native):
-    x, w = torch.randn(20, 64).bfloat16(), torch.randn(48, 64).bfloat16()
-    assert torch.equal(matmul_model(native, 4).linear(x, w, None, None), torch.nn.functional.linear(x, w))
+def test_plain_weights_go_to_torch_and_agree(native):
+    x, w = torch.randn(20, 64), torch.randn(48, 64)
+    assert torch.equal(matmul_model(native, False).linear(x, w, None, None), torch.nn.functional.linear(x, w))
 
 
 def reference_attention(q, kv, layer, segments, tables, num_heads, window):
@@ -98,3 +99,23 @@ def test_without_a_compiler_the_kernels_are_skipped_with_the_reason_logged(tmp_p
         assert load_native(str(tmp_path)) is None
     assert "no C++ compiler (no-such-c++-compiler) on PATH" in caplog.text
     assert not any((tmp_path / "kernels").glob("*/*.so"))
+
+
+def test_bf16_runner_holds_one_packed_copy_of_its_matrices(checkpoints):
+    """The native kernels take the bf16 matrices packed; the model's plain copies are let go,
+    and its torch forward refuses instead of running on missing weights."""
+    if not packs_weights(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 matrices stay plain")
+    runner = load_runner(checkpoints["llama"], dtype="bfloat16", kernels="native")
+    model = runner.model
+    assert model.matrices_dropped and all(layer.qkv is None and layer.mlp.down is None for layer in model.layers)
+    ids = prompt(9, seed=2)
+    [logits] = run(runner, chunk("r", ids, 0, [0, 1, 2], all_logits=True))
+    torch.testing.assert_close(logits, checkpoints["llama"].hf_logits(ids), atol=0.1, rtol=0.05)
+    with pytest.raises(RuntimeError, match="handed to the native kernels"):
+        model.forward(torch.tensor(ids), None, runner.kv, torch.tensor([0]))
+
+
+def test_float32_runner_keeps_plain_matrices(checkpoints):
+    model = load_runner(checkpoints["llama"], kernels="native").model
+    assert not model.matrices_dropped and model.layers[0].qkv is not None

@@ -91,11 +91,23 @@ class CausalLM:
         self.lm_head = self.embed if c.tie_word_embeddings else weights.take(
             "lm_head.weight", c.vocab_size, c.hidden_size)
         self.rope = RotaryEmbedding(c, device)
+        self.matrices_dropped = False
+
+    def drop_matrices(self) -> None:
+        """Let go of every layer's matrices and an untied LM head, once the native kernels hold
+        packed copies of them (one copy of the weights in memory); `forward` then refuses."""
+        for layer in self.layers:
+            layer.qkv = layer.o_proj = layer.mlp.gate_up = layer.mlp.down = None
+        if self.lm_head is not self.embed:
+            self.lm_head = None
+        self.matrices_dropped = True
 
     def forward(self, token_ids: torch.Tensor, plan: AttentionPlan, kv: PagedKvCache,
                 logit_rows: torch.Tensor, lora: LoraStep = NO_LORA) -> torch.Tensor:
         """token_ids (T,) -> float32 logits (R, vocab) of the hidden rows `logit_rows` (R,);
         `lora` adds each adapter's deltas to its own rows."""
+        if self.matrices_dropped:
+            raise RuntimeError("this model's matrices were handed to the native kernels; run it through them")
         h = F.embedding(token_ids, self.embed)  # (T, H)
         cos, sin = self.rope.cos_sin(plan.positions, h.dtype)  # (T, 1, hd) each
         for layer in self.layers:

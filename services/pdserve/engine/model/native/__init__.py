@@ -1,13 +1,12 @@
 """Native CPU kernels: the whole Llama-family forward in one C++ call per step.
 
 What they replace, and why (profiled on a 2-core AVX-512 CPU, SmolLM2-135M in bf16): eager
-torch spent most of a batch-1 decode step in oneDNN's M=1 matmuls (about 12 GB/s, against
-about 30 GB/s this machine reads) and in ~1,200 small ops; batched decode spent 40% in
-gathering every sequence's KV blocks and in attention widened across KV heads. Here: a bf16
-matrix product for few rows on AVX512-BF16 dot products, paged attention reading the KV
-blocks in place (grouped-query heads together, online softmax), and fused RMSNorm, rotary +
-KV store and SiLU-and-mul. Large matrix products (prefill) still go to oneDNN, which runs
-them near the CPU's peak.
+torch spent most of a batch-1 decode step in oneDNN's matmuls, which reordered every weight
+on every call, and in ~1,200 small ops; batched decode spent 40% in gathering every
+sequence's KV blocks and in attention widened across KV heads. Here: bf16 weights packed once,
+at load, into oneDNN's blocked layout (no reorder per call, one copy of the weights), paged
+attention reading the KV blocks in place (grouped-query heads together, online softmax), and
+fused RMSNorm, rotary + KV store and SiLU-and-mul.
 
 The extension is compiled on first use for the CPU it runs on (`-march=native`) and cached
 under `<cache_dir>/kernels/<key>`; the key covers the sources, torch's version and the CPU's
@@ -34,7 +33,7 @@ from pdserve.common.settings import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("model.cpp", "attention.h", "prefill_attention.h", "elementwise.h", "gemm.h", "vec.h")
+SOURCES = ("model.cpp", "attention.h", "prefill_attention.h", "elementwise.h", "linear.h", "vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 BUILD_WAIT_S = 600.0  # for another process's build of the same kernels, then the torch path
 _loaded: dict[str, ModuleType | None] = {}

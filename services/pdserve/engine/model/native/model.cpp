@@ -6,7 +6,7 @@
 
 #include "attention.h"
 #include "elementwise.h"
-#include "gemm.h"
+#include "linear.h"
 
 namespace pdserve {
 
@@ -23,16 +23,18 @@ class NativeModel {
  public:
   NativeModel(at::Tensor embed, at::Tensor final_norm, at::Tensor lm_head,
               std::vector<std::vector<c10::optional<at::Tensor>>> layers, at::Tensor inv_freq, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window, int64_t max_gemv_rows)
+              int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window, bool packed)
       : embed_(embed), final_norm_(final_norm), lm_head_(lm_head), inv_freq_(inv_freq), num_heads_(num_heads),
-        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(float(eps)), window_(window),
-        max_gemv_rows_(max_gemv_rows) {
+        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(float(eps)), window_(window), packed_(packed) {
     TORCH_CHECK(embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16,
                 "native kernels run float32 or bfloat16 weights");
     TORCH_CHECK(head_dim % 32 == 0 && embed.size(1) % 16 == 0, "native kernels need head_dim % 32 == 0");
     for (auto& w : layers) {
       TORCH_CHECK(w.size() == 10, "a layer has 10 weight slots");
-      auto get = [&](int i) { return w[i].has_value() ? w[i]->contiguous() : at::Tensor(); };
+      auto get = [&](int i) {  // packed weights are opaque oneDNN tensors, kept as they are
+        if (!w[i].has_value()) return at::Tensor();
+        return w[i]->layout() == at::kStrided ? w[i]->contiguous() : *w[i];
+      };
       layers_.push_back({get(0), get(1), get(2), get(3), get(4), get(5), get(6), get(7), get(8), get(9)});
     }
   }
@@ -130,15 +132,11 @@ class NativeModel {
     return out;
   }
 
+  // Packed weights (bf16) go to oneDNN's kernel with the residual fused; plain ones (float32)
+  // to `at::linear`.
   at::Tensor linear_(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                      const at::Tensor& residual) const {
-    if (kHasBf16Dot && x.scalar_type() == at::kBFloat16 && x.size(0) <= max_gemv_rows_) {
-      at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-      gemm_bf16(GemmArgs{data<bf16>(x), x.size(0), x.size(1), data<bf16>(w), w.size(0),
-                         bias.defined() ? data<bf16>(bias) : nullptr,
-                         residual.defined() ? data<bf16>(residual) : nullptr, data<bf16>(y)});
-      return y;
-    }
+    if (packed_) return packed_linear(x, w, bias, residual);
     at::Tensor y = at::linear(x, w, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     return residual.defined() ? residual + y : y;
   }
@@ -160,7 +158,8 @@ class NativeModel {
   std::vector<Layer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
-  int64_t window_, max_gemv_rows_;
+  int64_t window_;
+  bool packed_;
 };
 
 // q (T, >= nh * hd) rows (q heads first), kv (N, L, 2, tpb, kvh, hd) -> (T, nh * hd).
@@ -185,11 +184,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& kv, int64_t layer, c
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("has_bf16_dot") = pdserve::kHasBf16Dot;
   m.def("attention", &pdserve::attention);
   pybind11::class_<pdserve::NativeModel>(m, "NativeModel")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, std::vector<std::vector<c10::optional<at::Tensor>>>,
-                          at::Tensor, int64_t, int64_t, int64_t, double, int64_t, int64_t>())
+                          at::Tensor, int64_t, int64_t, int64_t, double, int64_t, bool>())
       .def("forward", &pdserve::NativeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("linear", &pdserve::NativeModel::linear, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -288,6 +288,10 @@ class RouterSettings:
                                     help="kv_aware: 0 picks the lowest cost; > 0 samples a softmax over costs")
     prefill_load_scale: float = opt(1.0, parse=cv.parse_float,
                                     help="weight of prefill work (queued and this prompt's) against held blocks")
+    local_prefill_queue_tokens: int = opt(1024, parse=cv.parse_int,
+                                          help="a decode worker computes a prompt itself while the prefill worker "
+                                               "has at least this many prompt tokens queued and its own queue is "
+                                               "shorter (conditional disaggregation); 0: never")
     host_cache_hit_weight: float = opt(0.75, parse=cv.parse_float,
                                        help="credit for a prompt block a worker holds in host memory (device: 1)")
     disk_cache_hit_weight: float = opt(0.25, parse=cv.parse_float,
@@ -322,6 +326,8 @@ class RouterSettings:
               "names a DNS name twice")
         check(self.router_temperature >= 0, "router_temperature", self.router_temperature, "must be >= 0")
         check(self.prefill_load_scale >= 0, "prefill_load_scale", self.prefill_load_scale, "must be >= 0")
+        check(self.local_prefill_queue_tokens >= 0, "local_prefill_queue_tokens", self.local_prefill_queue_tokens,
+              "must be >= 0")
         for name in ("host_cache_hit_weight", "disk_cache_hit_weight"):
             check(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
         check(not self.protect_metrics or self.has_api_keys, "protect_metrics", self.protect_metrics,

@@ -127,7 +127,8 @@ def cluster_config(settings: RouterSettings, tls: TlsConfig | None = None) -> Cl
 def routing_config(settings: RouterSettings) -> RoutingConfig:
     weights = CostWeights(prefill_load_scale=settings.prefill_load_scale, host_credit=settings.host_cache_hit_weight,
                           disk_credit=settings.disk_cache_hit_weight)
-    return RoutingConfig(settings.routing_policy, settings.router_temperature, weights, settings.session_ttl_s)
+    return RoutingConfig(settings.routing_policy, settings.router_temperature, weights, settings.session_ttl_s,
+                         settings.local_prefill_queue_tokens)
 
 
 if __name__ == "__main__":

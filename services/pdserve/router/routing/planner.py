@@ -3,10 +3,14 @@
     prefill worker p  = policy over role-prefill workers, cost_p = prefill_cost(p)
     decode worker d   = policy over role-decode and role-both workers, with
                         cost_d = decode_cost(d) + cost_p   (role decode, p computes the prompt)
-                        cost_d = prefill_cost(d)           (role both, or no prefill worker up)
-A role-both worker prefills its own prompts, so it is never sent a prefill worker. Overlaps
-come from the prefix index, loads from the pool. A session id pins a session to the workers
-its last request used, while they remain candidates.
+                        cost_d = prefill_cost(d)           (role both, no prefill worker up,
+                                                            or d prefills because p's queue is deep)
+A role-both worker prefills its own prompts, so it is never sent a prefill worker. A decode
+worker computes the prompt itself (Dynamo's conditional disaggregation) while p has at least
+`local_prefill_queue_tokens` prompt tokens queued and d's queue, with this prompt, is shorter
+than p's: during a burst both kinds of worker prefill, one request at a time still goes to p.
+Overlaps come from the prefix index, loads from the pool. A session id pins a session to the
+workers its last request used, while they remain candidates.
 """
 import random
 from collections.abc import Callable, Collection, Sequence
@@ -17,7 +21,8 @@ from operator import attrgetter
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import BlockHash, WorkerId
 from pdserve.common.stats import WorkerRole
-from pdserve.router.routing.cost import CostWeights, WorkerLoad, decode_costs, num_prompt_blocks, prefill_costs
+from pdserve.router.routing.cost import (CostWeights, WorkerLoad, decode_costs, new_blocks, new_blocks_each,
+                                         num_prompt_blocks, prefill_costs)
 from pdserve.router.routing.policy import Candidate, Policy, make_policy
 from pdserve.router.routing.prefix_index import Overlap, PrefixIndex
 from pdserve.router.routing.registration import DECODE_ROLES
@@ -31,6 +36,7 @@ class RoutingConfig:
     temperature: float = 0.0
     weights: CostWeights = CostWeights()
     session_ttl_s: float = 600.0
+    local_prefill_queue_tokens: int = 1024  # 0: a decode worker never prefills for a queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +53,7 @@ class RouteDecision:
     num_prompt_blocks: int
     is_decode_only_fallback: bool  # prefill workers exist, but none was up
     prefilled_by: str = ""  # what the decode worker's first output reported: an address, or "local"
+    is_local_for_queue: bool = False  # a prefill worker was up, its queue too deep: prefilled on decode
 
     def describe(self) -> str:
         """`decode=<addr>;decode_overlap=<blocks>[;prefill=<addr>;prefill_overlap=<blocks>];prompt_blocks=<n>`,
@@ -54,6 +61,8 @@ class RouteDecision:
         parts = [f"decode={self.decode.worker}", f"decode_overlap={self.decode.overlap.num_blocks}"]
         if self.prefill is not None:
             parts += [f"prefill={self.prefill.worker}", f"prefill_overlap={self.prefill.overlap.num_blocks}"]
+        elif self.is_local_for_queue:
+            parts.append("prefill=local_for_queue")
         parts.append(f"prompt_blocks={self.num_prompt_blocks}")
         if self.prefilled_by:
             parts.append(f"prefilled_by={self.prefilled_by}")
@@ -93,11 +102,16 @@ class Planner:
                                  sticky.prefill if sticky else None)
         decode = self._pick(self._decode_policy, decoders, overlaps, partial(self._decode_costs, blocks, prefill),
                             sticky.decode if sticky else None)
-        if self._pool.handles[decode.worker].role == WorkerRole.BOTH:
-            prefill = None  # it prefills its own prompts
+        for_queue = False
+        if prefill is not None:
+            handle = self._pool.handles[decode.worker]
+            if self._prefills_here(blocks, prefill, [handle], [decode.overlap], [self._pool.load(handle)])[0]:
+                for_queue = handle.role is WorkerRole.DECODE  # a role-both worker prefills its own prompts
+                prefill = None
         if session_id:
             self._sessions.remember(session_id, decode.worker, prefill.worker if prefill else None)
-        return RouteDecision(decode, prefill, blocks, not prefillers and self._pool.has_prefill_workers)
+        return RouteDecision(decode, prefill, blocks, not prefillers and self._pool.has_prefill_workers,
+                             is_local_for_queue=for_queue)
 
     def _up(self, exclude: Collection[WorkerId]) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
         """The decode-capable and the prefill workers in rotation, in one pass over the pool. The
@@ -116,11 +130,26 @@ class Planner:
         if prefill is None:
             return self._local_costs(blocks, handles, overlaps, loads)
         remote = [c + prefill.cost for c in decode_costs(blocks, overlaps, loads, self._config.weights)]
-        is_local = [_role(h) is WorkerRole.BOTH for h in handles]
+        is_local = self._prefills_here(blocks, prefill, handles, overlaps, loads)
         if not any(is_local):
             return remote
         local = self._local_costs(blocks, handles, overlaps, loads)
         return [lc if b else rc for b, lc, rc in zip(is_local, local, remote, strict=True)]
+
+    def _prefills_here(self, blocks: int, prefill: Leg, handles: Sequence[WorkerHandle], overlaps: list[Overlap],
+                       loads: list[WorkerLoad]) -> list[bool]:
+        """Per decode candidate: does it compute the prompt itself rather than `prefill`? A
+        role-both worker always; a decode worker while the prefill worker's queue is deep and
+        its own queue, with this prompt, is shorter."""
+        is_local = [_role(h) is WorkerRole.BOTH for h in handles]
+        limit, weights = self._config.local_prefill_queue_tokens, self._config.weights
+        queued = self._pool.load(self._pool.handles[prefill.worker]).num_prefill_tokens
+        if not limit or queued < limit:
+            return is_local
+        remote_wait = queued + new_blocks(blocks, prefill.overlap, weights) * self._tpb
+        local_waits = [load.num_prefill_tokens + new * self._tpb
+                       for new, load in zip(new_blocks_each(blocks, overlaps, weights), loads, strict=True)]
+        return [b or wait < remote_wait for b, wait in zip(is_local, local_waits, strict=True)]
 
     def _pick(self, policy: Policy, handles: Sequence[WorkerHandle], overlaps: dict[WorkerId, Overlap],
               costs_of: CostsOf, sticky: WorkerId | None) -> Leg:

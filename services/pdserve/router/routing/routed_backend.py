@@ -136,6 +136,7 @@ class RoutedBackend:
             counters.count_route(decision.prefill.worker, "prefill", decision.num_prompt_blocks,
                                  decision.prefill.overlap)
         counters.num_decode_only_fallbacks += decision.is_decode_only_fallback
+        counters.num_local_prefills_for_queue += decision.is_local_for_queue
         self._decisions[request_id] = decision
         self._decisions.move_to_end(request_id)
         while len(self._decisions) > MAX_KEPT_DECISIONS:

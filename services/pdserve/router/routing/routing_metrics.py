@@ -27,6 +27,7 @@ class RoutingCounters:
         self.migrations: Counter[str] = Counter()  # decode worker that failed mid-stream, its request continued
         self.num_decode_only_fallbacks = 0
         self.num_local_prefills_instead = 0  # a prefill worker was chosen; the decode worker prefilled itself
+        self.num_local_prefills_for_queue = 0  # the prefill worker's queue was deep: sent to prefill on decode
 
     def count_route(self, worker: WorkerId, role: str, num_prompt_blocks: int, overlap: Overlap) -> None:
         self.routed[worker, role] += 1
@@ -76,6 +77,9 @@ class RoutingCollector(Collector):
         yield CounterMetricFamily("pdserve_router_local_prefills_instead",
                                   "Requests routed to a prefill worker whose decode worker prefilled them itself",
                                   value=c.num_local_prefills_instead)
+        yield CounterMetricFamily("pdserve_router_local_prefills_for_queue",
+                                  "Requests a decode worker was sent to prefill itself: the prefill worker's queue "
+                                  "was deep (--local-prefill-queue-tokens)", value=c.num_local_prefills_for_queue)
         yield from self._worker_gauges()
 
     def _worker_gauges(self) -> Iterator[Metric]:

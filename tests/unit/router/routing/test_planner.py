@@ -16,14 +16,16 @@ PROMPT = list(range(200, 241))  # 41 tokens: 11 blocks, 10 full ones before the 
 KEYS = hash_request_blocks(PROMPT[:40], TPB)
 
 
-def cluster(roles: dict[str, WorkerRole], reports: dict[str, object] | None = None, policy: str = "kv_aware"):
+def cluster(roles: dict[str, WorkerRole], reports: dict[str, object] | None = None, policy: str = "kv_aware",
+            local_prefill_queue_tokens: int = 1024):
     workers = {a: FakeWorker(a, info(role), (reports or {}).get(a)) for a, role in roles.items()}
     pool = make_pool(workers)
     asyncio.run(pool.start())
     index = PrefixIndex()
     for address in workers:
         index.load_snapshot(WorkerId(address), [], 0)
-    return Planner(pool, index, RoutingConfig(policy=policy), TPB, random.Random(3)), index, pool
+    config = RoutingConfig(policy=policy, local_prefill_queue_tokens=local_prefill_queue_tokens)
+    return Planner(pool, index, config, TPB, random.Random(3)), index, pool
 
 
 def hold(index: PrefixIndex, worker: str, num_blocks: int, tier: Tier = Tier.DEVICE) -> None:
@@ -95,3 +97,36 @@ def test_a_session_keeps_its_workers_while_they_are_up() -> None:
     assert planner.plan(KEYS, len(PROMPT), session_id="s2").decode.worker != first  # round robin moved on
     pool.mark_down(first, "gone")
     assert planner.plan(KEYS, len(PROMPT), session_id="s1").decode.worker != first
+
+
+PD = {"p1:1": WorkerRole.PREFILL, "d1:3": WorkerRole.DECODE}
+
+
+def test_a_deep_prefill_queue_sends_the_prompt_to_the_idle_decode_worker() -> None:
+    planner, _, _ = cluster(PD, {"p1:1": stats(waiting=5, queued=2000)})
+    decision = planner.plan(KEYS, len(PROMPT))
+    assert (decision.decode.worker, decision.prefill, decision.is_local_for_queue) == ("d1:3", None, True)
+    assert decision.decode.cost == 11.0  # priced as its own prefill: 11 new blocks, nothing queued or held
+    assert decision.describe() == "decode=d1:3;decode_overlap=0;prefill=local_for_queue;prompt_blocks=11"
+
+
+@pytest.mark.parametrize("prefill_queue, decode_queue, limit", [
+    (1000, 0, 1024),  # the prefill worker's queue is below the limit
+    (2000, 2001, 1024),  # the decode worker's own queue is longer
+    (5000, 0, 0),  # turned off
+])
+def test_the_prompt_stays_on_the_prefill_worker(prefill_queue, decode_queue, limit) -> None:
+    planner, _, _ = cluster(PD, {"p1:1": stats(queued=prefill_queue), "d1:3": stats(queued=decode_queue)},
+                            local_prefill_queue_tokens=limit)
+    decision = planner.plan(KEYS, len(PROMPT))
+    assert (decision.prefill.worker, decision.is_local_for_queue) == ("p1:1", False)
+
+
+def test_a_cached_prefix_on_the_prefill_worker_shortens_its_wait() -> None:
+    """Queued 1,020 tokens + 44 new here against 1,024 + 44 there: prefilled here; with 10 of
+    the 11 blocks cached there, 1,024 + 4: it stays there."""
+    reports = {"p1:1": stats(queued=1024), "d1:3": stats(queued=1020)}
+    planner, index, _ = cluster(PD, reports)
+    assert planner.plan(KEYS, len(PROMPT)).is_local_for_queue
+    hold(index, "p1:1", 10)
+    assert planner.plan(KEYS, len(PROMPT)).prefill.worker == "p1:1"

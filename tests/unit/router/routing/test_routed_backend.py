@@ -87,6 +87,23 @@ def test_the_route_reports_the_path_that_ran_when_the_decode_worker_prefilled_it
     assert backend._cluster.counters.num_local_prefills_instead == 1
 
 
+def test_a_deep_prefill_queue_has_the_decode_worker_prefill_and_is_counted() -> None:
+    workers = {"p:1": FakeWorker("p:1", info(WorkerRole.PREFILL), stats(waiting=4, queued=4096)),
+               "d:2": FakeWorker("d:2", info(WorkerRole.DECODE))}
+
+    async def scenario() -> RoutedBackend:
+        backend = await routed(workers)
+        assert await texts(backend, request()) == ["t0", "t1"]
+        return backend
+
+    backend = asyncio.run(scenario())
+    assert workers["d:2"].generated == [("r-0", None)]
+    assert backend.describe_route(RequestId("r-0")) == ("decode=d:2;decode_overlap=0;prefill=local_for_queue;"
+                                                        "prompt_blocks=5")
+    counters = backend._cluster.counters
+    assert (counters.num_local_prefills_for_queue, counters.num_local_prefills_instead) == (1, 0)
+
+
 def test_a_worker_lost_before_answering_is_dropped_and_the_request_routed_again() -> None:
     workers = {a: FakeWorker(a, info()) for a in ("a:1", "b:2")}
 

@@ -7,8 +7,9 @@
                                                             or d prefills because p's queue is deep)
 A role-both worker prefills its own prompts, so it is never sent a prefill worker. A decode
 worker computes the prompt itself (Dynamo's conditional disaggregation) while p has at least
-`local_prefill_queue_tokens` prompt tokens queued and d's queue, with this prompt, is shorter
-than p's: during a burst both kinds of worker prefill, one request at a time still goes to p.
+`local_prefill_queue_tokens` prompt tokens queued and d at most that many, this prompt's
+included: during a burst both kinds of worker prefill, with a bounded stall for d's streams;
+requests that come one at a time still go to p.
 Overlaps come from the prefix index, loads from the pool. A session id pins a session to the
 workers its last request used, while they remain candidates.
 """
@@ -21,8 +22,8 @@ from operator import attrgetter
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import BlockHash, WorkerId
 from pdserve.common.stats import WorkerRole
-from pdserve.router.routing.cost import (CostWeights, WorkerLoad, decode_costs, new_blocks, new_blocks_each,
-                                         num_prompt_blocks, prefill_costs)
+from pdserve.router.routing.cost import (CostWeights, WorkerLoad, decode_costs, new_blocks_each, num_prompt_blocks,
+                                         prefill_costs)
 from pdserve.router.routing.policy import Candidate, Policy, make_policy
 from pdserve.router.routing.prefix_index import Overlap, PrefixIndex
 from pdserve.router.routing.registration import DECODE_ROLES
@@ -139,17 +140,17 @@ class Planner:
     def _prefills_here(self, blocks: int, prefill: Leg, handles: Sequence[WorkerHandle], overlaps: list[Overlap],
                        loads: list[WorkerLoad]) -> list[bool]:
         """Per decode candidate: does it compute the prompt itself rather than `prefill`? A
-        role-both worker always; a decode worker while the prefill worker's queue is deep and
-        its own queue, with this prompt, is shorter."""
+        role-both worker always; a decode worker while the prefill worker has at least `limit`
+        prompt tokens queued and it has at most `limit`, this prompt's included (so the stall
+        its running streams see stays bounded)."""
         is_local = [_role(h) is WorkerRole.BOTH for h in handles]
         limit, weights = self._config.local_prefill_queue_tokens, self._config.weights
         queued = self._pool.load(self._pool.handles[prefill.worker]).num_prefill_tokens
         if not limit or queued < limit:
             return is_local
-        remote_wait = queued + new_blocks(blocks, prefill.overlap, weights) * self._tpb
         local_waits = [load.num_prefill_tokens + new * self._tpb
                        for new, load in zip(new_blocks_each(blocks, overlaps, weights), loads, strict=True)]
-        return [b or wait < remote_wait for b, wait in zip(is_local, local_waits, strict=True)]
+        return [b or wait <= limit for b, wait in zip(is_local, local_waits, strict=True)]
 
     def _pick(self, policy: Policy, handles: Sequence[WorkerHandle], overlaps: dict[WorkerId, Overlap],
               costs_of: CostsOf, sticky: WorkerId | None) -> Leg:

@@ -290,8 +290,8 @@ class RouterSettings:
                                     help="weight of prefill work (queued and this prompt's) against held blocks")
     local_prefill_queue_tokens: int = opt(1024, parse=cv.parse_int,
                                           help="a decode worker computes a prompt itself while the prefill worker "
-                                               "has at least this many prompt tokens queued and its own queue is "
-                                               "shorter (conditional disaggregation); 0: never")
+                                               "has at least this many prompt tokens queued and it has at most this "
+                                               "many, the prompt's included (conditional disaggregation); 0: never")
     host_cache_hit_weight: float = opt(0.75, parse=cv.parse_float,
                                        help="credit for a prompt block a worker holds in host memory (device: 1)")
     disk_cache_hit_weight: float = opt(0.25, parse=cv.parse_float,

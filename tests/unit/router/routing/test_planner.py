@@ -112,7 +112,7 @@ def test_a_deep_prefill_queue_sends_the_prompt_to_the_idle_decode_worker() -> No
 
 @pytest.mark.parametrize("prefill_queue, decode_queue, limit", [
     (1000, 0, 1024),  # the prefill worker's queue is below the limit
-    (2000, 2001, 1024),  # the decode worker's own queue is longer
+    (2000, 990, 1024),  # the decode worker's own queue would pass the limit: 990 + 44 new tokens
     (5000, 0, 0),  # turned off
 ])
 def test_the_prompt_stays_on_the_prefill_worker(prefill_queue, decode_queue, limit) -> None:
@@ -122,11 +122,11 @@ def test_the_prompt_stays_on_the_prefill_worker(prefill_queue, decode_queue, lim
     assert (decision.prefill.worker, decision.is_local_for_queue) == ("p1:1", False)
 
 
-def test_a_cached_prefix_on_the_prefill_worker_shortens_its_wait() -> None:
-    """Queued 1,020 tokens + 44 new here against 1,024 + 44 there: prefilled here; with 10 of
-    the 11 blocks cached there, 1,024 + 4: it stays there."""
-    reports = {"p1:1": stats(queued=1024), "d1:3": stats(queued=1020)}
-    planner, index, _ = cluster(PD, reports)
-    assert planner.plan(KEYS, len(PROMPT)).is_local_for_queue
-    hold(index, "p1:1", 10)
+def test_only_the_tokens_the_decode_worker_lacks_join_its_queue() -> None:
+    """981 queued + 44 new passes the limit of 1,024; with 10 of the 11 blocks cached, 981 + 4
+    does not."""
+    planner, index, _ = cluster(PD, {"p1:1": stats(queued=2000), "d1:3": stats(queued=981)})
     assert planner.plan(KEYS, len(PROMPT)).prefill.worker == "p1:1"
+    hold(index, "d1:3", 10)
+    decision = planner.plan(KEYS, len(PROMPT))
+    assert (decision.prefill, decision.is_local_for_queue, decision.decode.overlap) == (None, True, Overlap(10))

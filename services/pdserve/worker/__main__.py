@@ -58,13 +58,14 @@ def default_block_size(device) -> int:
 def engine_spec(settings: WorkerSettings) -> EngineSpec:
     """What `bootstrap` builds the engine from; `max_model_len` None → the model's context length."""
     device = None if settings.device == "auto" else settings.device
+    resolved = resolve_device(device)
     is_sized = settings.kv_cache_memory is not None or settings.max_kv_tokens is not None
-    on_cpu_unsized = not is_sized and resolve_device(device).type == "cpu"
+    on_cpu_unsized = not is_sized and resolved.type == "cpu"
     kv = KvCacheConfig(
         max_tokens=settings.max_kv_tokens,
         max_total_bytes=CPU_DEFAULT_KV_BYTES if on_cpu_unsized else settings.kv_cache_memory,
         free_memory_fraction=1.0,  # of the budget bootstrap.kv_memory_budget computes
-        tokens_per_block=settings.block_size or default_block_size(resolve_device(device)),
+        tokens_per_block=settings.block_size or default_block_size(resolved),
         enable_block_reuse=settings.enable_prefix_caching,
         host_cache_size=settings.host_cache_size,
         secondary_offload_min_priority=settings.secondary_offload_min_priority,

@@ -55,6 +55,10 @@ class DecoderLayer:
         self.o_bias = weights.take_optional(c.o_bias, attn + "o_proj.bias", c.hidden_size)
         self.mlp = _mlp(prefix + "mlp.", c, weights)
 
+    def drop_matrices(self) -> None:
+        """Let go of the four matrices (see `CausalLM.drop_matrices`)."""
+        self.qkv = self.o_proj = self.mlp.gate_up = self.mlp.down = None
+
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  plan: AttentionPlan, kv: PagedKvCache, lora: LoraStep = NO_LORA) -> torch.Tensor:
         """h (T, H) -> (T, H); writes this layer's K/V for the step's tokens into `kv`."""
@@ -97,7 +101,7 @@ class CausalLM:
         """Let go of every layer's matrices and an untied LM head, once the native kernels hold
         packed copies of them (one copy of the weights in memory); `forward` then refuses."""
         for layer in self.layers:
-            layer.qkv = layer.o_proj = layer.mlp.gate_up = layer.mlp.down = None
+            layer.drop_matrices()
         if self.lm_head is not self.embed:
             self.lm_head = None
         self.matrices_dropped = True

@@ -67,9 +67,13 @@ class NativeForward:
     def __init__(self, model: CausalLM, module) -> None:
         c, packed = model.config, packs_weights(model.embed.dtype)
         matrix = pack if packed else (lambda weight: weight)
-        layers = [[layer.input_norm.weight, matrix(layer.qkv), layer.qkv_bias, matrix(layer.o_proj), layer.o_bias,
-                   layer.post_norm.weight, matrix(layer.mlp.gate_up), layer.mlp.gate_up_bias,
-                   matrix(layer.mlp.down), layer.mlp.down_bias] for layer in model.layers]
+        layers = []
+        for layer in model.layers:
+            layers.append([layer.input_norm.weight, matrix(layer.qkv), layer.qkv_bias, matrix(layer.o_proj),
+                           layer.o_bias, layer.post_norm.weight, matrix(layer.mlp.gate_up), layer.mlp.gate_up_bias,
+                           matrix(layer.mlp.down), layer.mlp.down_bias])
+            if packed:  # each plain copy goes once its packed one exists: the load peaks one layer higher
+                layer.drop_matrices()
         self._model = module.NativeModel(
             model.embed, model.norm.weight, matrix(model.lm_head), layers, model.rope.inv_freq, c.num_heads,
             c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, packed)

@@ -58,6 +58,7 @@ class ModelRunner:
                           model_dtype, kv_scale)
         checkpoint = load_checkpoint(model_path, dtype, target, cache_dir)
         model = CausalLM(checkpoint.config, checkpoint.tensors, target)
+        del checkpoint  # the model holds what it uses; a matrix it lets go of (packed) is freed
         if lora is not None:
             return cls(model, kv, model_dtype, target, None, LoraAdapters(config, lora, model_dtype, target))
         return cls(model, kv, model_dtype, target, build_native(model, kv, kernels, cache_dir))

@@ -1,9 +1,9 @@
 """pdserve against vLLM (or any OpenAI-compatible server): the same workloads, one run.
 
-Starts `pdserve serve --aggregated` and then `pdserve serve` (1 prefill + 1 decode worker) the
-way a user does, runs each workload through them with `pdserve bench`, and with `--compare-url`
-the same text against another server, then reports each system's figures and the ratios
-measured side by side. Workloads (each its own seed, so none finds another's prompts cached):
+Starts `pdserve serve --aggregated` and `pdserve serve` (1 prefill + 1 decode worker) the way a
+user does, then runs each workload with `pdserve bench` on each of them and, with
+`--compare-url`, on another server, back to back, and reports each system's figures and the
+ratios measured side by side. Workloads (each its own seed, so none finds another's prompts cached):
 
     random     64 prompts, 256 in / 64 out, all at once
     single     8 prompts, 256 in / 64 out, one at a time (batch-1 TPOT)
@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.model_source import default_model_path
@@ -66,27 +68,44 @@ def _is_ready(url: str) -> bool:
         return False
 
 
-def measure_topology(name: str, flags: list[str], model: str, runs: list[Workload], out_dir: Path) -> list[dict]:
-    """`pdserve serve` with `flags`: its startup row and one row per workload of `runs`."""
+@dataclass
+class Served:
+    """A running `pdserve serve` topology."""
+
+    name: str
+    url: str
+    process: subprocess.Popen
+    ready_s: float
+
+    def startup_row(self) -> dict:
+        rss = sum(vm_hwm_mib(pid) or 0.0 for pid in [self.process.pid, *descendants(self.process.pid)])
+        return {"system": self.name, "workload": "startup", "ready_s": self.ready_s, "peak_rss_mib_all": rss}
+
+
+def start_topology(name: str, flags: list[str], model: str, out_dir: Path, stack: ExitStack) -> Served:
+    """`pdserve serve` with `flags`, ready; stopped when `stack` closes."""
     port, worker_port = free_port(), free_port()
     argv = [*COMMAND, "serve", "--model", model, "--port", str(port), "--worker-port", str(worker_port),
             "--max-num-seqs", "64", "--log-level", "warning", *flags]
     url = f"http://127.0.0.1:{port}"
     print(f"{name}: {' '.join(argv[2:])}", flush=True)
-    with open(out_dir / f"{name}.log", "w") as log:
-        started = time.monotonic()
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while not _is_ready(url):
-                if process.poll() is not None or time.monotonic() - started > READY_TIMEOUT_S:
-                    raise RuntimeError(f"{name} did not become ready; see {out_dir / (name + '.log')}")
-                time.sleep(0.2)
-            ready_s = time.monotonic() - started
-            rows = [run_online(name, w, url, model, None, out_dir) for w in runs]
-            rss = sum(vm_hwm_mib(pid) or 0.0 for pid in [process.pid, *descendants(process.pid)])
-            return [{"system": name, "workload": "startup", "ready_s": ready_s, "peak_rss_mib_all": rss}, *rows]
-        finally:
-            stop_process(process)
+    log = stack.enter_context(open(out_dir / f"{name}.log", "w"))
+    started = time.monotonic()
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    stack.callback(stop_process, process)
+    while not _is_ready(url):
+        if process.poll() is not None or time.monotonic() - started > READY_TIMEOUT_S:
+            raise RuntimeError(f"{name} did not become ready; see {out_dir / (name + '.log')}")
+        time.sleep(0.2)
+    return Served(name, url, process, time.monotonic() - started)
+
+
+def measure_topology(name: str, flags: list[str], model: str, runs: list[Workload], out_dir: Path) -> list[dict]:
+    """`pdserve serve` with `flags`: one row per workload of `runs`, then its startup row."""
+    with ExitStack() as stack:
+        served = start_topology(name, flags, model, out_dir, stack)
+        rows = [run_online(name, w, served.url, model, None, out_dir) for w in runs]
+        return [served.startup_row(), *rows]
 
 
 def ratios(rows: list[dict], label: str) -> dict[str, float | None]:
@@ -108,14 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = args.model or default_model_path()
     rows = []
-    with work_dir(args.keep_dir, "vs-vllm-") as out_dir:
-        for name, flags in TOPOLOGIES.items():
-            if not args.only or name in args.only:
-                rows += measure_topology(name, flags + args.serve_flags.split(), model,
-                                         workloads(args.scale, args.seed), out_dir)
-        if args.compare_url:
-            rows += [run_online(args.compare_label, w, args.compare_url, model, args.compare_model, out_dir)
-                     for w in workloads(args.scale, args.seed)]
+    with work_dir(args.keep_dir, "vs-vllm-") as out_dir, ExitStack() as stack:
+        # Every system is up before the first workload, and each workload runs on all of them
+        # back to back: the load of this shared machine drifts over a run, so a system measured
+        # minutes after another would carry the drift into the ratios.
+        servers = [start_topology(name, flags + args.serve_flags.split(), model, out_dir, stack)
+                   for name, flags in TOPOLOGIES.items() if not args.only or name in args.only]
+        for workload in workloads(args.scale, args.seed):
+            rows += [run_online(s.name, workload, s.url, model, None, out_dir) for s in servers]
+            if args.compare_url:
+                rows.append(run_online(args.compare_label, workload, args.compare_url, model, args.compare_model,
+                                       out_dir))
+        rows = [s.startup_row() for s in servers] + rows
     config = {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model,
               "workloads": [w.as_dict() for w in workloads(args.scale, args.seed)]}
     result = {"benchmark": "vs_vllm", "config": config, "results": rows, "ratios": ratios(rows, args.compare_label)}

@@ -59,6 +59,12 @@ class DecoderLayer:
         """Let go of the four matrices (see `CausalLM.drop_matrices`)."""
         self.qkv = self.o_proj = self.mlp.gate_up = self.mlp.down = None
 
+    def own_vectors(self) -> None:
+        """Norm weights and biases copied into memory of their own (see `CausalLM.drop_matrices`)."""
+        self.input_norm.weight, self.post_norm.weight = _owned(self.input_norm.weight), _owned(self.post_norm.weight)
+        self.qkv_bias, self.o_bias = _owned(self.qkv_bias), _owned(self.o_bias)
+        self.mlp.gate_up_bias, self.mlp.down_bias = _owned(self.mlp.gate_up_bias), _owned(self.mlp.down_bias)
+
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  plan: AttentionPlan, kv: PagedKvCache, lora: LoraStep = NO_LORA) -> torch.Tensor:
         """h (T, H) -> (T, H); writes this layer's K/V for the step's tokens into `kv`."""
@@ -71,6 +77,10 @@ class DecoderLayer:
         attn = paged_attention(self.index, qk[:, :nh], qk[:, nh:], v, plan, kv)  # (T, nh hd)
         h = h + lora.add(F.linear(attn, self.o_proj, self.o_bias), attn, self.index, O_PROJ)
         return h + self.mlp(self.post_norm(h), lora, self.index)
+
+
+def _owned(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.clone()
 
 
 def _mlp(prefix: str, c: ModelConfig, weights: _Weights) -> SwiGLU:
@@ -99,11 +109,17 @@ class CausalLM:
 
     def drop_matrices(self) -> None:
         """Let go of every layer's matrices and an untied LM head, once the native kernels hold
-        packed copies of them (one copy of the weights in memory); `forward` then refuses."""
+        packed copies of them (one copy of the weights in memory); `forward` then refuses.
+
+        What stays (embedding, norms, biases) is copied into memory of its own: a checkpoint
+        read through a file map gives all its tensors one storage, which any of them keeps."""
+        tied = self.lm_head is self.embed
+        self.embed = self.embed.clone()
+        self.lm_head = self.embed if tied else None
+        self.norm.weight = self.norm.weight.clone()
         for layer in self.layers:
             layer.drop_matrices()
-        if self.lm_head is not self.embed:
-            self.lm_head = None
+            layer.own_vectors()
         self.matrices_dropped = True
 
     def forward(self, token_ids: torch.Tensor, plan: AttentionPlan, kv: PagedKvCache,

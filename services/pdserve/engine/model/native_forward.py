@@ -67,18 +67,20 @@ class NativeForward:
     def __init__(self, model: CausalLM, module) -> None:
         c, packed = model.config, packs_weights(model.embed.dtype)
         matrix = pack if packed else (lambda weight: weight)
-        layers = []
+        matrices = []
         for layer in model.layers:
-            layers.append([layer.input_norm.weight, matrix(layer.qkv), layer.qkv_bias, matrix(layer.o_proj),
-                           layer.o_bias, layer.post_norm.weight, matrix(layer.mlp.gate_up), layer.mlp.gate_up_bias,
-                           matrix(layer.mlp.down), layer.mlp.down_bias])
+            matrices.append([matrix(w) for w in (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)])
             if packed:  # each plain copy goes once its packed one exists: the load peaks one layer higher
                 layer.drop_matrices()
-        self._model = module.NativeModel(
-            model.embed, model.norm.weight, matrix(model.lm_head), layers, model.rope.inv_freq, c.num_heads,
-            c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, packed)
+        lm_head = matrix(model.lm_head)
         if packed:
             model.drop_matrices()
+        layers = [[layer.input_norm.weight, qkv, layer.qkv_bias, o_proj, layer.o_bias, layer.post_norm.weight,
+                   gate_up, layer.mlp.gate_up_bias, down, layer.mlp.down_bias]
+                  for layer, (qkv, o_proj, gate_up, down) in zip(model.layers, matrices, strict=True)]
+        self._model = module.NativeModel(
+            model.embed, model.norm.weight, lm_head, layers, model.rope.inv_freq, c.num_heads,
+            c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, packed)
 
     def forward(self, batch: ForwardBatch, kv: PagedKvCache, logit_rows: list[int]) -> torch.Tensor:
         """float32 logits (len(logit_rows), vocab) of the step's flattened rows `logit_rows`."""

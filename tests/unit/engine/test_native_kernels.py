@@ -1,13 +1,19 @@
 """The native CPU kernels against plain torch references: the matrix product on packed bf16
 weights (with bias, residual and ragged shapes) and paged attention (grouped-query heads,
 cached prefixes, sliding windows, scattered block tables), in float32 and bfloat16."""
+import copy
+import gc
+from functools import partial
+from pathlib import Path
+
 import pytest
 import torch
 
 from pdserve.engine.model.native import is_supported, load_native
 from pdserve.engine.model.native_forward import pack, packs_weights
+from pdserve.engine.model.runner import ModelRunner
 
-from model_builders import chunk, load_runner, prompt, run
+from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
 
 pytestmark = pytest.mark.skipif(not is_supported(), reason="the native kernels need an AVX-512 CPU")
 
@@ -101,14 +107,29 @@ def test_without_a_compiler_the_kernels_are_skipped_with_the_reason_logged(tmp_p
     assert not any((tmp_path / "kernels").glob("*/*.so"))
 
 
-def test_bf16_runner_holds_one_packed_copy_of_its_matrices(checkpoints):
+def maps() -> str:
+    return Path("/proc/self/maps").read_text()
+
+
+def test_bf16_runner_holds_one_packed_copy_of_its_matrices(checkpoints, tmp_path):
     """The native kernels take the bf16 matrices packed; the model's plain copies are let go,
-    and its torch forward refuses instead of running on missing weights."""
+    what stays owns its memory (not the checkpoint's file map), and the model's torch forward
+    refuses instead of running on missing weights."""
     if not packs_weights(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 matrices stay plain")
-    runner = load_runner(checkpoints["llama"], dtype="bfloat16", kernels="native")
+    copy.deepcopy(checkpoints["llama"].hf_model).to(torch.bfloat16).save_pretrained(tmp_path)
+    load = partial(ModelRunner.load, tmp_path, dtype="bfloat16", device="cpu", num_blocks=64,
+                   tokens_per_block=TOKENS_PER_BLOCK)
+    weights_file = str(tmp_path / "model.safetensors")
+    plain = load(kernels="torch")  # tensors read as they are stored stay views of the file's map
+    assert weights_file in maps()
+    del plain
+    gc.collect()
+    assert weights_file not in maps()
+    runner = load(kernels="native")
     model = runner.model
     assert model.matrices_dropped and all(layer.qkv is None and layer.mlp.down is None for layer in model.layers)
+    assert weights_file not in maps()  # what stays (embedding, norms) was copied out of it
     ids = prompt(9, seed=2)
     [logits] = run(runner, chunk("r", ids, 0, [0, 1, 2], all_logits=True))
     torch.testing.assert_close(logits, checkpoints["llama"].hf_logits(ids), atol=0.1, rtol=0.05)

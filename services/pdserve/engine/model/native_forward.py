@@ -70,7 +70,7 @@ class NativeForward:
         matrices = []
         for layer in model.layers:
             matrices.append([matrix(w) for w in (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)])
-            if packed:  # each plain copy goes once its packed one exists: the load peaks one layer higher
+            if packed:  # a plain copy of its own (cast, dequantized) is freed here; file-mapped ones all at the end
                 layer.drop_matrices()
         lm_head = matrix(model.lm_head)
         if packed:

@@ -11,6 +11,7 @@ from pdserve.engine.model.attention import AttentionPlan, paged_attention
 from pdserve.engine.model.kv_tensor import PagedKvCache
 from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from pdserve.engine.model.lora import NO_LORA, O_PROJ, QKV, LoraStep
+from pdserve.engine.loading.mapped_pages import release_copied_pages
 from pdserve.engine.loading.model_config import ModelConfig
 
 
@@ -45,9 +46,9 @@ class DecoderLayer:
         self.input_norm = RMSNorm(weights.take(prefix + "input_layernorm.weight", c.hidden_size), c.rms_norm_eps)
         self.post_norm = RMSNorm(weights.take(prefix + "post_attention_layernorm.weight", c.hidden_size),
                                  c.rms_norm_eps)
-        self.qkv = torch.cat([weights.take(attn + "q_proj.weight", q_width, c.hidden_size),
-                              weights.take(attn + "k_proj.weight", kv_width, c.hidden_size),
-                              weights.take(attn + "v_proj.weight", kv_width, c.hidden_size)])  # (q+2kv, H)
+        self.qkv = _fused([weights.take(attn + "q_proj.weight", q_width, c.hidden_size),
+                           weights.take(attn + "k_proj.weight", kv_width, c.hidden_size),
+                           weights.take(attn + "v_proj.weight", kv_width, c.hidden_size)])  # (q+2kv, H)
         self.qkv_bias = torch.cat([weights.take(attn + "q_proj.bias", q_width),
                                    weights.take(attn + "k_proj.bias", kv_width),
                                    weights.take(attn + "v_proj.bias", kv_width)]) if c.qkv_bias else None
@@ -83,9 +84,17 @@ def _owned(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.clone()
 
 
+def _fused(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts stacked into one matrix; their pages of a checkpoint's file map, read for the
+    copy and never again, are given back."""
+    fused = torch.cat(parts)
+    release_copied_pages(parts)
+    return fused
+
+
 def _mlp(prefix: str, c: ModelConfig, weights: _Weights) -> SwiGLU:
-    gate_up = torch.cat([weights.take(prefix + "gate_proj.weight", c.intermediate_size, c.hidden_size),
-                         weights.take(prefix + "up_proj.weight", c.intermediate_size, c.hidden_size)])
+    gate_up = _fused([weights.take(prefix + "gate_proj.weight", c.intermediate_size, c.hidden_size),
+                      weights.take(prefix + "up_proj.weight", c.intermediate_size, c.hidden_size)])
     gate_up_bias = torch.cat([weights.take(prefix + "gate_proj.bias", c.intermediate_size),
                               weights.take(prefix + "up_proj.bias", c.intermediate_size)]) if c.mlp_bias else None
     down = weights.take(prefix + "down_proj.weight", c.hidden_size, c.intermediate_size)

@@ -8,6 +8,7 @@ step Python hands over four small tensors and the C++ side runs every layer.
 import torch
 
 from pdserve.common.errors import ConfigError
+from pdserve.engine.loading.mapped_pages import release_copied_pages
 from pdserve.engine.model.batch import ForwardBatch
 from pdserve.engine.model.kv_tensor import PagedKvCache
 from pdserve.engine.model.decoder import CausalLM
@@ -69,11 +70,15 @@ class NativeForward:
         matrix = pack if packed else (lambda weight: weight)
         matrices = []
         for layer in model.layers:
-            matrices.append([matrix(w) for w in (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)])
-            if packed:  # a plain copy of its own (cast, dequantized) is freed here; file-mapped ones all at the end
+            plain = (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)
+            matrices.append([matrix(w) for w in plain])
+            if packed:  # a plain copy of its own (cast, dequantized) is freed here, a file map's pages given back
+                release_copied_pages(plain)
                 layer.drop_matrices()
         lm_head = matrix(model.lm_head)
         if packed:
+            if model.lm_head is not model.embed:
+                release_copied_pages([model.lm_head])
             model.drop_matrices()
         layers = [[layer.input_norm.weight, qkv, layer.qkv_bias, o_proj, layer.o_bias, layer.post_norm.weight,
                    gate_up, layer.mlp.gate_up_bias, down, layer.mlp.down_bias]

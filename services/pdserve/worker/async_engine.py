@@ -361,14 +361,20 @@ class ThreadedEngine:
         return failed
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop for all of
+        them (a wake-up is a write to the loop's pipe; one per output cost 1.6 % of the engine
+        thread at 64 streams)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+            by_loop.setdefault(stream.loop, []).append((stream.outputs, output))
             stream.num_finished += output.is_finished
             if stream.num_finished >= stream.num_completions:
                 del self._streams[output.request_id]
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, deliveries)
 
     def _publish_kv_events(self) -> None:
         events = self._engine.kv.drain_events()
@@ -418,6 +424,11 @@ class ThreadedEngine:
 
 def _adapters(seqs) -> tuple[str, ...]:
     return tuple(sorted({str(s.request.lora_id) for s in seqs if s.request.lora_id is not None}))
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for outputs, output in deliveries:
+        outputs.put_nowait(output)
 
 
 def _set_value(future: asyncio.Future, value: object) -> None:

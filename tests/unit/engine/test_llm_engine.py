@@ -166,4 +166,3 @@ def test_logit_rows_of_a_step_are_batched_as_a_view_when_consecutive_else_copied
     for picked in (prompt_rows, siblings, [rows[1], rows[0]]):
         copied = _as_batch(picked)
         assert torch.equal(copied, torch.stack(picked)) and copied.data_ptr() != logits.data_ptr()
-

@@ -457,4 +457,3 @@ def _as_batch(rows: list[torch.Tensor]) -> torch.Tensor:
     if consecutive:
         return first.as_strided((len(rows), width), (width, 1), first.storage_offset())
     return torch.stack(rows)
-

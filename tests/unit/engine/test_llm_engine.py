@@ -1,11 +1,10 @@
 """The engine's step loop and scheduler over a token-store model stand-in (exact outputs)."""
 import pytest
-import torch
 
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
-from pdserve.engine.core.llm_engine import LLMEngine, _as_batch
+from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
 from tests.unit.engine.token_store_runner import CharTokenizer, TokenStoreRunner, reference
@@ -154,15 +153,3 @@ def test_an_id_with_the_engines_sibling_mark_is_refused_and_the_siblings_finish(
         outputs[(out.request_id, out.index)] = list(out.token_ids) + outputs[(out.request_id, out.index)]
     assert outputs == {("x", 0): reference([1, 2, 3], 4), ("x", 1): reference([1, 2, 3], 4)}
     assert set(reasons) == {("x", 0), ("x", 1)}
-
-
-def test_logit_rows_of_a_step_are_batched_as_a_view_when_consecutive_else_copied():
-    logits = torch.randn(5, 11)
-    rows = [chunk[-1] for chunk in torch.split(logits, [1, 1, 1, 1, 1])]
-    batch = _as_batch(rows)
-    assert torch.equal(batch, logits) and batch.data_ptr() == logits.data_ptr()  # every decode row: no copy
-    prompt_rows = [chunk[-1] for chunk in torch.split(logits, [2, 3])]  # last rows of two 2- and 3-row chunks
-    siblings = [rows[0], rows[0], rows[2]]  # a forked request samples its prompt's row twice
-    for picked in (prompt_rows, siblings, [rows[1], rows[0]]):
-        copied = _as_batch(picked)
-        assert torch.equal(copied, torch.stack(picked)) and copied.data_ptr() != logits.data_ptr()

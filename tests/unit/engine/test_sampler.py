@@ -7,7 +7,7 @@ import torch
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.request import SamplingParams
 from pdserve.engine.model.sampler import (CANDIDATES, Sampler, SamplingRow, _filter_sorted, _filter_top_k_top_p,
-                                          make_generator)
+                                          logit_batch, make_generator)
 
 VOCAB = 1000
 
@@ -174,3 +174,15 @@ def test_the_candidate_filter_keeps_exactly_what_a_full_sort_keeps(case: int) ->
     fast, full = _filter_top_k_top_p(logits, top_k, top_p), _filter_sorted(logits, top_k, top_p)
     assert torch.equal(torch.isfinite(fast), torch.isfinite(full))
     assert torch.equal(fast[torch.isfinite(fast)], full[torch.isfinite(full)])
+
+
+def test_logit_rows_of_a_step_are_batched_as_a_view_when_consecutive_else_copied():
+    logits = torch.randn(5, 11)
+    rows = [chunk[-1] for chunk in torch.split(logits, [1, 1, 1, 1, 1])]
+    batch = logit_batch(rows)
+    assert torch.equal(batch, logits) and batch.data_ptr() == logits.data_ptr()  # every decode row: no copy
+    prompt_rows = [chunk[-1] for chunk in torch.split(logits, [2, 3])]  # last rows of two 2- and 3-row chunks
+    siblings = [rows[0], rows[0], rows[2]]  # a forked request samples its prompt's row twice
+    for picked in (prompt_rows, siblings, [rows[1], rows[0]]):
+        copied = logit_batch(picked)
+        assert torch.equal(copied, torch.stack(picked)) and copied.data_ptr() != logits.data_ptr()

@@ -28,7 +28,8 @@ from pdserve.engine.model.guided import GuideCompiler, GuideMatcher
 from pdserve.engine.model.host_store import TierStore
 from pdserve.engine.model.logits_processors import TokenHistory, check_processor_params
 from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
-from pdserve.engine.model.sampler import MAX_LOGPROBS, Sampler, SamplingRow, check_sampling_params, make_generator
+from pdserve.engine.model.sampler import (MAX_LOGPROBS, Sampler, SamplingRow, check_sampling_params, logit_batch,
+                                          make_generator)
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
 from pdserve.engine.core.stopping import finish_reason_after, is_stop_token
@@ -369,7 +370,7 @@ class LLMEngine:
     def _sample_and_emit(self, rows: list[tuple[Sequence, object]]) -> list[RequestOutput]:
         if not rows:
             return []
-        logits = _as_batch([r for _, r in rows])  # (B, vocab)
+        logits = logit_batch([r for _, r in rows])  # (B, vocab)
         sampled = self.sampler.sample(logits, [SamplingRow(s.request.sampling, s.generator, s.guide,
                                                            TokenHistory(s.token_ids, s.num_prompt_tokens))
                                                for s, _ in rows])
@@ -443,17 +444,3 @@ class LLMEngine:
             self._step_stats.finish(seq.times, reason, seq.num_prompt_tokens, seq.num_output_tokens, self._clock())
         return RequestOutput(seq.request.request_id, seq.index, tuple(token_ids), text, tuple(logprobs), reason,
                              seq.num_prompt_tokens, seq.num_cached_tokens)
-
-
-def _as_batch(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The (vocab,) logit rows as one (B, vocab) tensor: a view where they are consecutive rows
-    of one tensor (a step whose every chunk asks one row: all of decode), else a copy. The
-    copy of 64 rows of a 49k vocabulary took 7 of a 140 ms step, most of it faulting in fresh
-    memory."""
-    first, width = rows[0], rows[0].shape[0]
-    consecutive = all(r.dim() == 1 and r.stride(0) == 1 and r.dtype == first.dtype for r in rows) and all(
-        r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and r.storage_offset() == first.storage_offset() + i * width for i, r in enumerate(rows))
-    if consecutive:
-        return first.as_strided((len(rows), width), (width, 1), first.storage_offset())
-    return torch.stack(rows)

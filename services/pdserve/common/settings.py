@@ -122,6 +122,10 @@ class WorkerSettings:
                                              "activations included (vLLM's meaning); the KV cache gets the rest. "
                                              "CPU: unused (see --kv-cache-memory)")
     num_threads: int | None = opt(None, parse=cv.optional(cv.parse_int), help="torch CPU threads")
+    core_share_file: str | None = opt(None, parse=cv.optional(cv.parse_str),
+                                      help="a file the workers of one machine share: a worker with work also runs "
+                                           "on the cores its idle peers' --num-threads leave (pdserve serve makes "
+                                           "one for several workers); unset: always --num-threads")
     kernels: str = opt("auto", parse=cv.choice("auto", "native", "torch"),
                        help="auto: the native CPU kernels where they run, else torch ops")
     cache_dir: str | None = opt(factory=default_cache_dir, parse=cv.optional(cv.parse_str),

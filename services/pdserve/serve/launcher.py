@@ -13,6 +13,7 @@ their streams and answers new requests 503), then the router; a router that dies
 others and makes `serve` exit 1 with one line. Each child is tethered to this process
 (`tether.py`): killed with SIGKILL, serve takes its children with it.
 """
+import dataclasses
 import json
 import os
 import shlex
@@ -109,7 +110,8 @@ def topology_lines(settings: ServeSettings, serve_metrics_port: int | None) -> l
         lines.append(f"  {worker.role:<8} {worker.address}{metrics}")
     threads = {worker.num_threads for worker in settings.workers}.pop()
     shown = "torch's default" if threads is None else str(threads)
-    lines.append(f"  torch threads per worker: {shown} (--num-threads sets it)")
+    shared = ", and idle peers' cores (--share-cores)" if settings.workers[0].core_share_file else ""
+    lines.append(f"  torch threads per worker: {shown} (--num-threads sets it){shared}")
     lines.append("  internal gRPC: " + ("PLAIN TEXT (--insecure-internal)" if settings.router.insecure_internal
                                       else "mutual TLS, a throwaway authority for this launch"))
     if serve_metrics_port is not None:
@@ -160,12 +162,22 @@ def main(argv: list[str] | None = None) -> int:
     roles = ", ".join(str(worker.role) for worker in settings.workers)
     print(f"pdserve serve: starting workers ({roles}), then the router; model loading takes a while",
           flush=True)
-    if settings.router.insecure_internal:
-        print(f"pdserve serve: {INSECURE_WARNING}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="pdserve-serve-") as folder:  # owner-only; removed at exit
+        settings = with_core_share(settings, Path(folder))
+        if settings.router.insecure_internal:
+            print(f"pdserve serve: {INSECURE_WARNING}", file=sys.stderr, flush=True)
+        else:
+            settings = with_serve_certs(settings, Path(folder))
         return run(child_stages(settings), ready_banner(settings, metrics_port), supervisor)
-    with tempfile.TemporaryDirectory(prefix="pdserve-tls-") as folder:  # owner-only; removed at exit
-        settings = with_serve_certs(settings, Path(folder))
-        return run(child_stages(settings), ready_banner(settings, metrics_port), supervisor)
+
+
+def with_core_share(settings: ServeSettings, folder: Path) -> ServeSettings:
+    """Several workers share the machine's cores through one table in `folder` (`--share-cores`)."""
+    if not settings.share_cores or len(settings.workers) < 2:
+        return settings
+    path = str(folder / "cores")
+    return dataclasses.replace(settings, workers=tuple(dataclasses.replace(w, core_share_file=path)
+                                                       for w in settings.workers))
 
 
 if __name__ == "__main__":

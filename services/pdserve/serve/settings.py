@@ -96,6 +96,9 @@ class ServeSettings:
     serve_metrics_port: int | None = opt(0, parse=cv.optional(cv.parse_int),
                                          help="serve's own Prometheus metrics (pdserve_worker_restarts_total) on "
                                               "this port (0: a free port, in the banner; '': none)")
+    share_cores: bool = opt(True, parse=cv.parse_bool,
+                            help="several workers: one with work also runs on the cores of those idle at the "
+                                 "moment (each keeps --num-threads of its own)")
 
     def __post_init__(self) -> None:
         check_positive(self, "startup_timeout_s", "shutdown_timeout_s", "restart_backoff_s",
@@ -151,7 +154,7 @@ def _serve_options() -> list[cv.Option]:
     options = cv.merged(
         cv.options_of(RouterSettings, "router", skip=("workers", "worker_dns", "worker_dns_interval_s", "tls_dir"))
         + cv.options_of(WorkerSettings, "worker", rename=_WORKER_FLAGS,
-                        skip=("role", "worker_id", "tls_dir", "health_port"))  # serve is probed over HTTP
+                        skip=("role", "worker_id", "tls_dir", "health_port", "core_share_file"))  # probed over HTTP
         + cv.options_of(ServeTopology, "topology")
         + cv.options_of(ServeSettings, "serve")
     )

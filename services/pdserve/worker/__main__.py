@@ -75,7 +75,8 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
     return EngineSpec(
         model=settings.model, served_model_name=settings.model_name, role=settings.role,
         dtype=settings.dtype, device=device, kv_cache_dtype=settings.kv_cache_dtype, kv=kv,
-        scheduler=scheduler, num_threads=settings.num_threads, kernels=settings.kernels,
+        scheduler=scheduler, num_threads=settings.num_threads, core_share_file=settings.core_share_file,
+        kernels=settings.kernels,
         cache_dir=settings.cache_dir, disk_cache_dir=settings.disk_cache_dir, disk_cache_size=settings.disk_cache_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         lora=LoraSettings(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None,

@@ -5,7 +5,8 @@ gRPC event loop stays responsive). Requests, aborts and calls reach it through o
 typed commands, handled in order between steps (a decode worker's admission decides local or
 remote prefill and reserves in one of them); outputs go back to each request's asyncio queue
 with `call_soon_threadsafe`. The loop also wakes when idle
-(`idle_wait_s`), so periodic duties run every step even when no work arrives.
+(`idle_wait_s`), so periodic duties run every step even when no work arrives. Before each step
+it sizes its torch threads by the cores its idle peers leave (`core_share.py`; fixed without one).
 
 A worker builds its engine on the loop's own thread (`ThreadedEngine.built_on_loop_thread`):
 OpenMP keeps one pool of threads per thread that opens parallel regions, and with a second
@@ -28,6 +29,7 @@ from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.worker.core_share import CoreShare, FixedThreads
 from pdserve.engine.core.request_stats import StepStats
 from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
 from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent, Tier
@@ -108,8 +110,10 @@ class ThreadedEngine:
     """Implements `worker.engine_api.AsyncEngine` over a synchronous `LLMEngine`."""
 
     def __init__(self, engine: LLMEngine, info: ModelInfo, idle_wait_s: float = 0.02,
-                 admit_timeout_s: float = 60.0, _on_thread: threading.Thread | None = None) -> None:
+                 admit_timeout_s: float = 60.0, cores: CoreShare | FixedThreads | None = None,
+                 _on_thread: threading.Thread | None = None) -> None:
         self._engine = engine
+        self._cores = cores or FixedThreads()
         self._info = info
         self._idle_wait_s = idle_wait_s
         self._admit_timeout_s = admit_timeout_s
@@ -125,15 +129,16 @@ class ThreadedEngine:
         self._thread = _on_thread or threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     @classmethod
-    def built_on_loop_thread(cls, build: Callable[[], tuple[LLMEngine, ModelInfo]]) -> "ThreadedEngine":
+    def built_on_loop_thread(cls, build: Callable[[], tuple[LLMEngine, ModelInfo]],
+                             **options) -> "ThreadedEngine":
         """`build()` runs on a new thread, which then runs the steps once `start` is called; returns
         when it is built, raising what `build` raised. Every torch thread pool of the engine
-        belongs to that one thread (see the module's docstring)."""
+        belongs to that one thread (see the module's docstring). `options`: the constructor's."""
         built: concurrent.futures.Future = concurrent.futures.Future()
 
         def body() -> None:
             try:
-                threaded = cls(*build(), _on_thread=threading.current_thread())
+                threaded = cls(*build(), **options, _on_thread=threading.current_thread())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
                 built.set_exception(exc)
                 return
@@ -275,6 +280,7 @@ class ThreadedEngine:
         while not self._stop.is_set():
             self._drain_inbox()
             if self._engine.has_work:
+                self._cores.before_step()
                 self._step()
             self._deliver(self._engine.reap_expired_leases())
             self._publish_kv_events()
@@ -282,8 +288,10 @@ class ThreadedEngine:
             self._stats = self._snapshot()  # before idling, so load reports are never a turn stale
             self._queues = self._queue_view()
             if not self._engine.has_work:
+                self._cores.idle()
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
+        self._cores.close()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -27,6 +27,7 @@ from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device, resolve_dtype
 from pdserve.kvcache import HASH_ALGORITHM, KvCacheConfig, KvCacheManager
 from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.worker.core_share import CoreShare
 from pdserve.worker.kv.tiers import KvTierStore, adopt_disk_blocks
 from pdserve.worker.memory_budget import StepShape, cpu_kv_budget, gpu_kv_budget, non_kv_bytes
 
@@ -46,6 +47,7 @@ class EngineSpec:
     kv: KvCacheConfig = KvCacheConfig(max_total_bytes=512 << 20)
     scheduler: SchedulerConfig = SchedulerConfig()
     num_threads: int | None = None
+    core_share_file: str | None = None  # shared with the machine's other workers (core_share.py); None: fixed
     kernels: str = "auto"  # auto | native | torch (see ModelRunner.load)
     cache_dir: str | None = None  # keeps GGUF conversions (weights, tokenizer); None: no cache
     disk_cache_dir: str | None = None  # the disk KV tier's folder (below the host tier); None: no disk tier
@@ -125,7 +127,21 @@ def build_threaded_engine(spec: EngineSpec) -> ThreadedEngine:
     its own count first and the engine's thread sets the engine's last."""
     threads = spec.num_threads or torch.get_num_threads()
     torch.set_num_threads(1)
-    return ThreadedEngine.built_on_loop_thread(lambda: _engine_and_info(spec, threads))
+    return ThreadedEngine.built_on_loop_thread(lambda: _engine_and_info(spec, threads),
+                                               cores=core_share(spec.core_share_file, threads))
+
+
+def core_share(path: str | None, threads: int) -> CoreShare | None:
+    """The engine's slot in `path`'s table of cores, `threads` of them its own; None without a path."""
+    if not path:
+        return None
+    try:
+        share = CoreShare(path, threads, usable_cores(), torch.set_num_threads)
+    except OSError as exc:
+        raise ConfigError("core_share_file", path, f"cannot share cores through it: {exc}") from None
+    log.info("CPU: %d torch threads of its own, and the cores idle peers leave (slot %d of %s)",
+             threads, share.slot, path)
+    return share
 
 
 def _engine_and_info(spec: EngineSpec, threads: int) -> tuple[LLMEngine, ModelInfo]:

@@ -3,6 +3,7 @@ import pytest
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.ports import is_port_free
+from pdserve.serve.launcher import with_core_share
 from pdserve.serve.settings import ServeSettings, ServeTopology, resolve_serve_settings
 from pdserve.common.settings import RouterSettings, WorkerSettings
 from pdserve.common.stats import WorkerRole
@@ -97,6 +98,17 @@ def test_several_workers_get_one_thread_each_unless_set() -> None:
     assert [w.num_threads for w in chosen.workers] == [2, 2]
 
 
+@pytest.mark.parametrize(("argv", "is_shared"), [
+    ([], True), (["--workers", "2"], True), (["--aggregated"], False),
+    (["--no-share-cores"], False), (["--prefill", "0"], False),
+])
+def test_several_workers_share_one_table_of_cores_in_the_launch_folder(argv: list[str], is_shared: bool,
+                                                                       tmp_path) -> None:
+    settings = with_core_share(resolve_serve_settings(argv, NO_ENV), tmp_path)
+    expected = str(tmp_path / "cores") if is_shared else None
+    assert [w.core_share_file for w in settings.workers] == [expected] * len(settings.workers)
+
+
 def test_metrics_port_zero_lets_each_worker_pick() -> None:
     settings = resolve_serve_settings(["--workers", "2", "--metrics-port", "0"], NO_ENV)
     assert [w.metrics_port for w in settings.workers] == [0, 0]
@@ -122,7 +134,8 @@ def test_bad_topology_names_the_flag(argv: list[str], env: dict[str, str], field
     assert (caught.value.field, caught.value.reason) == (field, reason)
 
 
-@pytest.mark.parametrize("argv", [["--role", "prefill"], ["--worker-id", "w"], ["--worker", "a:1"]])
+@pytest.mark.parametrize("argv", [["--role", "prefill"], ["--worker-id", "w"], ["--worker", "a:1"],
+                                  ["--core-share-file", "/tmp/x"]])
 def test_per_worker_and_router_only_flags_are_not_serve_flags(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         resolve_serve_settings(argv, NO_ENV)

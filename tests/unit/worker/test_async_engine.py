@@ -1,5 +1,6 @@
 """ThreadedEngine: the engine thread behind the worker's asyncio service."""
 import asyncio
+import threading
 
 import pytest
 
@@ -118,8 +119,6 @@ def test_a_duplicate_id_is_refused_alone_and_the_other_streams_finish(threaded):
 
 def test_an_engine_built_on_its_loop_thread_steps_there():
     """The build runs on a new thread, and the steps on that same thread once started."""
-    import threading
-
     seen = {}
 
     def build():
@@ -159,3 +158,34 @@ def test_an_engine_stopped_before_it_started_ends_its_thread():
     threaded = ThreadedEngine.built_on_loop_thread(lambda: (make_engine(), INFO))
     threaded.stop(timeout_s=5)
     assert not threaded._thread.is_alive()
+
+
+class RecordingCores:
+    """Stands in for a CoreShare: what the loop asked, on which thread."""
+
+    def __init__(self):
+        self.calls = []
+
+    def before_step(self):
+        self.calls.append(("before_step", threading.current_thread().name))
+
+    def idle(self):
+        self.calls.append(("idle", threading.current_thread().name))
+
+    def close(self):
+        self.calls.append(("close", threading.current_thread().name))
+
+
+def test_the_loop_asks_its_core_share_before_each_step_and_when_idle():
+    cores = RecordingCores()
+    threaded = ThreadedEngine.built_on_loop_thread(lambda: (make_engine(), INFO), cores=cores)
+    threaded.start()
+    try:
+        tokens, _ = asyncio.run(_collect(threaded, request("r", [5, 6, 7])))
+    finally:
+        threaded.stop()
+    assert tokens == reference([5, 6, 7], 8)
+    kinds = [kind for kind, _ in cores.calls]
+    assert kinds.count("before_step") >= len(tokens)  # a prefill step, then one per decoded token
+    assert kinds[-2:] == ["idle", "close"]  # idle once the work is done; the slot given back at stop
+    assert {thread for _, thread in cores.calls} == {"engine-loop"}

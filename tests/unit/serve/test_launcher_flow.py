@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.serve.settings import resolve_serve_settings
 from pdserve.common.settings import resolve_router_settings, resolve_worker_settings
-from pdserve.serve.launcher import child_stages, ready_banner
+from pdserve.serve.launcher import child_stages, ready_banner, with_core_share
 from pdserve.serve.supervisor import RestartPolicy
 
 DRIVER = str(Path(__file__).with_name("serve_driver.py"))
@@ -116,6 +116,14 @@ def test_banner_has_the_url_topology_threads_and_a_curl_line_that_parses() -> No
     assert curl[:3] == ["curl", "-s", "http://127.0.0.1:9000/v1/completions"]
     body = json.loads(curl[curl.index("-d") + 1])
     assert body == {"model": "/m/tiny.gguf", "prompt": "The capital of France is", "max_tokens": 16}
+
+
+def test_workers_sharing_cores_are_told_the_table_and_the_banner_says_so(tmp_path) -> None:
+    settings = with_core_share(resolve_serve_settings(["--model", "/m/tiny.gguf"], {}), tmp_path)
+    workers = child_stages(settings)[0]
+    assert [" ".join(spec.argv).count(f"--core-share-file {tmp_path / 'cores'}") for spec in workers] == [1, 1]
+    assert ("  torch threads per worker: 1 (--num-threads sets it), and idle peers' cores (--share-cores)"
+            in ready_banner(settings, None).splitlines())
 
 
 def test_banner_of_one_aggregated_worker_leaves_threads_to_torch() -> None:

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from pdserve.common.errors import ConfigError
+from pdserve.worker.bootstrap import core_share
 from pdserve.worker.core_share import CoreShare, Peer, fits, threads_for
 
 PEER = textwrap.dedent("""
@@ -140,3 +142,10 @@ def test_a_closed_slot_is_taken_again(tmp_path):
     second = CoreShare(str(path), 1, 2, lambda n: None)
     assert second.slot == slot
     second.close()
+
+
+def test_a_table_that_cannot_be_opened_is_a_config_error_naming_the_flag(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        core_share(str(tmp_path / "missing" / "cores"), 1)
+    assert caught.value.field == "core_share_file"
+    assert core_share(None, 1) is None

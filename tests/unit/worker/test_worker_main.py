@@ -20,7 +20,7 @@ def test_spec_carries_every_setting() -> None:
          "--kv-cache-dtype", "fp8", "--block-size", "32", "--max-model-len", "512", "--max-num-seqs", "8",
          "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--kv-cache-memory", "64MiB",
          "--max-kv-tokens", "4096", "--gpu-memory-utilization", "0.5", "--num-threads", "1",
-         "--cache-dir", "/c"], NO_ENV)
+         "--cache-dir", "/c", "--core-share-file", "/s/cores"], NO_ENV)
     spec = engine_spec(settings)
     assert (spec.model, spec.served_model_name, spec.role) == (default_model_path(), "tiny", WorkerRole.DECODE)
     assert (spec.device, spec.dtype, spec.kv_cache_dtype, spec.num_threads) == ("cpu", "float32", "fp8", 1)
@@ -28,7 +28,7 @@ def test_spec_carries_every_setting() -> None:
     assert (spec.kv.tokens_per_block, spec.kv.enable_block_reuse) == (32, False)
     assert (spec.scheduler.max_num_seqs, spec.scheduler.max_num_batched_tokens) == (8, 256)
     assert spec.scheduler.max_model_len == 512
-    assert spec.cache_dir == "/c"
+    assert (spec.cache_dir, spec.core_share_file) == ("/c", "/s/cores")
 
 
 def test_unsized_cpu_cache_is_capped_and_context_comes_from_the_model() -> None:

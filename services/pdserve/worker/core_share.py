@@ -12,7 +12,10 @@ Before each step a worker with work marks itself busy and takes its base threads
 (by base) of the cores that busy workers' bases leave free (`threads_for`); then, before running,
 it waits (at most `max_wait_s`) until the threads its peers still use fit beside its own
 (`fits`): two OpenMP pools on one core spin at each other's barriers, and a step run that way
-takes far longer than one that waited for the peer's step to end. A worker without work marks
+takes far longer than one that waited for the peer's step to end, while the waiting leaves no
+core idle (the peer's step runs on them all). The bound is above the longest step a lender runs
+(a 2,048-token prefill chunk on two threads takes ~1.3 s on the default model): with 0.5 s,
+bursts ran steps oversubscribed. A worker without work marks
 itself idle, with no threads in use.
 
 A slot is held by an exclusive record lock on its bytes, which the kernel drops when the process
@@ -87,7 +90,7 @@ class CoreShare:
     which owns the OpenMP pool that `set_threads` sizes."""
 
     def __init__(self, path: str, base: int, num_cores: int, set_threads: Callable[[int], None],
-                 max_wait_s: float = 0.5, poll_s: float = 0.001) -> None:
+                 max_wait_s: float = 5.0, poll_s: float = 0.001) -> None:
         self._base, self._num_cores, self._set_threads = base, num_cores, set_threads
         self._max_wait_s, self._poll_s = max_wait_s, poll_s
         self._threads = base

@@ -14,8 +14,8 @@ it waits (at most `max_wait_s`) until the threads its peers still use fit beside
 (`fits`): two OpenMP pools on one core spin at each other's barriers, and a step run that way
 takes far longer than one that waited for the peer's step to end, while the waiting leaves no
 core idle (the peer's step runs on them all). The bound is above the longest step a lender runs
-(a 2,048-token prefill chunk on two threads takes ~1.3 s on the default model): with 0.5 s,
-bursts ran steps oversubscribed. A worker without work marks
+(a 2,048-token prefill chunk on two threads takes ~1.3 s on the default model), so that only a
+peer that stopped stepping is run beside oversubscribed. A worker without work marks
 itself idle, with no threads in use.
 
 A slot is held by an exclusive record lock on its bytes, which the kernel drops when the process

@@ -66,15 +66,6 @@ def fits(threads: int, base: int, peers: Sequence[Peer], num_cores: int) -> bool
 class FixedThreads:
     """No sharing: the engine keeps the threads it was built with (the null `CoreShare`)."""
 
-    @property
-    def threads(self) -> int:
-        """The torch threads this worker's engine runs on now."""
-        return self._threads
-
-    def slot_state(self, slot: int) -> Peer:
-        """What the table says of `slot` (a worker's base, whether it is busy, its threads in use)."""
-        return Peer(self._field(slot, _BASE), bool(self._field(slot, _BUSY)), self._field(slot, _IN_USE))
-
     def before_step(self) -> None:
         pass
 

@@ -21,6 +21,16 @@ def threaded():
     engine.stop()
 
 
+def _serve_one_request(threaded: ThreadedEngine) -> None:
+    """Start `threaded`, stream one request through it (its reference tokens), stop it."""
+    threaded.start()
+    try:
+        tokens, _ = asyncio.run(_collect(threaded, request("r", [5, 6, 7])))
+    finally:
+        threaded.stop()
+    assert tokens == reference([5, 6, 7], 8)
+
+
 async def _collect(engine, req):
     tokens, reasons = [], []
     async for out in engine.generate(req):
@@ -136,12 +146,7 @@ def test_an_engine_built_on_its_loop_thread_steps_there():
     threaded = ThreadedEngine.built_on_loop_thread(build)
     assert seen["build"] is not threading.current_thread()
     assert "step" not in seen  # nothing runs before start()
-    threaded.start()
-    try:
-        tokens, _ = asyncio.run(_collect(threaded, request("r", [5, 6, 7])))
-    finally:
-        threaded.stop()
-    assert tokens == reference([5, 6, 7], 8)
+    _serve_one_request(threaded)
     assert seen["step"] is seen["build"]
     assert not seen["build"].is_alive()
 
@@ -178,14 +183,8 @@ class RecordingCores:
 
 def test_the_loop_asks_its_core_share_before_each_step_and_when_idle():
     cores = RecordingCores()
-    threaded = ThreadedEngine.built_on_loop_thread(lambda: (make_engine(), INFO), cores=cores)
-    threaded.start()
-    try:
-        tokens, _ = asyncio.run(_collect(threaded, request("r", [5, 6, 7])))
-    finally:
-        threaded.stop()
-    assert tokens == reference([5, 6, 7], 8)
+    _serve_one_request(ThreadedEngine.built_on_loop_thread(lambda: (make_engine(), INFO), cores=cores))
     kinds = [kind for kind, _ in cores.calls]
-    assert kinds.count("before_step") >= len(tokens)  # a prefill step, then one per decoded token
+    assert kinds.count("before_step") >= len(reference([5, 6, 7], 8))  # a step per token
     assert kinds[-2:] == ["idle", "close"]  # idle once the work is done; the slot given back at stop
     assert {thread for _, thread in cores.calls} == {"engine-loop"}

@@ -107,25 +107,28 @@ def test_a_worker_runs_on_an_idle_peers_core_and_gives_it_back(tmp_path, peers):
     share.close()
 
 
-def test_a_wait_for_a_peer_that_does_not_give_back_is_bounded(tmp_path, peers):
-    path = tmp_path / "cores"
-    peer = peers(path)
-    assert peer.do("before_step") == 2
-    threads = []
-    share = CoreShare(str(path), 1, 2, threads.append, max_wait_s=0.05)
-    share.before_step()  # the peer keeps two threads (no step of its own): this step starts anyway
-    assert (share.threads, threads) == (1, [])  # its own thread, as built
-    share.close()
-
-
-def test_the_slot_of_a_worker_that_died_is_freed(tmp_path, peers):
-    path = tmp_path / "cores"
+def beside_a_borrowing_peer(path, peers) -> tuple[PeerProcess, CoreShare, list[int]]:
+    """A peer that took both cores and steps no more; then this worker's first step, which waits
+    0.05 s at most for the lent core and runs on its own thread."""
     peer = peers(path)
     assert peer.do("before_step") == 2
     threads = []
     share = CoreShare(str(path), 1, 2, threads.append, max_wait_s=0.05)
     share.before_step()
-    assert (share.threads, threads) == (1, [])
+    assert (share.threads, threads) == (1, [])  # its own thread, as built, though it did not fit
+    return peer, share, threads
+
+
+def test_a_wait_for_a_peer_that_does_not_give_back_is_bounded(tmp_path, peers):
+    _, share, _ = beside_a_borrowing_peer(tmp_path / "cores", peers)
+    share.before_step()  # again: the wait is bounded every step
+    assert share.threads == 1
+    share.close()
+
+
+def test_the_slot_of_a_worker_that_died_is_freed(tmp_path, peers):
+    path = tmp_path / "cores"
+    peer, share, threads = beside_a_borrowing_peer(path, peers)
     peer.kill()  # busy, two threads in use: only its lock, gone with it, says it is dead
     share.before_step()
     assert threads == [2]

@@ -71,9 +71,10 @@ def reference_attention(q, kv, layer, segments, tables, num_heads, window):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_heads, kvh, hd", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 @pytest.mark.parametrize("window", [0, 5])
-def test_paged_attention_equals_reference(native, dtype, tol, num_heads, kvh, hd, window):
+@pytest.mark.parametrize("tpb", [4, 32])
+def test_paged_attention_equals_reference(native, dtype, tol, num_heads, kvh, hd, window, tpb):
     g = torch.Generator().manual_seed(num_heads + hd + window)
-    tpb, layers = 4, 2
+    layers = 2
     kv = torch.randn(40, layers, 2, tpb, kvh, hd, generator=g).to(dtype)
     # decode token at 17 | chunk of 6 over a 9-token prefix | fresh prompt of 21 | decode at 0
     segments = torch.tensor([[0, 1, 17], [1, 6, 9], [7, 21, 0], [28, 1, 0]], dtype=torch.int32)
@@ -81,6 +82,22 @@ def test_paged_attention_equals_reference(native, dtype, tol, num_heads, kvh, hd
     q = torch.randn(29, (num_heads + 2 * kvh) * hd, generator=g).to(dtype)  # q heads first, as in qkv rows
     out = native.attention(q, kv, 1, segments, tables, num_heads, hd ** -0.5, window)
     expected = reference_attention(q, kv, 1, segments, tables, num_heads, window)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads, kvh, hd", [(7, 1, 64), (10, 2, 64), (12, 2, 32), (6, 3, 256), (15, 3, 96)])
+def test_decode_rows_of_any_group_size_equal_reference(native, dtype, tol, num_heads, kvh, hd):
+    """Decode tokens go through a block a KV head's query heads at a time, in runs of up to four
+    (fewer for wide heads) and a remainder: groups of 7, 5, 6, 2 and 5 heads, over 1 to 40 keys."""
+    g = torch.Generator().manual_seed(num_heads * hd)
+    tpb = 16
+    kv = torch.randn(12, 1, 2, tpb, kvh, hd, generator=g).to(dtype)
+    segments = torch.tensor([[0, 1, 0], [1, 1, 15], [2, 1, 16], [3, 1, 39]], dtype=torch.int32)
+    tables = torch.randperm(12, generator=g)[:12].view(4, 3).to(torch.int32)
+    q = torch.randn(4, (num_heads + 2 * kvh) * hd, generator=g).to(dtype)
+    out = native.attention(q, kv, 0, segments, tables, num_heads, hd ** -0.5, 0)
+    expected = reference_attention(q, kv, 0, segments, tables, num_heads, 0)
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 

@@ -126,7 +126,8 @@ struct TileAttention {
 
   explicit TileAttention(const AttentionArgs<T>& args) : a(args), group(args.num_heads / args.layout.num_kv_heads) {}
 
-  void run(const WorkItem& item) {
+  // `then`: the item this thread runs next, whose first block is prefetched during the last one.
+  void run(const WorkItem& item, const WorkItem* then = nullptr) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, bf16>) {
       if (item.t1 - item.t0 >= kMinPackedTile) return run_packed(item);
@@ -135,23 +136,29 @@ struct TileAttention {
     const Segment seg = a.segments[item.segment];
     const int64_t rows = int64_t(item.t1 - item.t0) * a.num_heads, tpb = a.layout.tokens_per_block;
     load_queries(item, seg, rows);
-    const int64_t last = seg.start_pos + item.t1 - 1;  // the last key any row sees
-    const int64_t first = a.window ? std::max<int64_t>(0, seg.start_pos + item.t0 - a.window + 1) : 0;
+    const int64_t last = last_key(item), first = first_key(item);
     const int32_t* table = a.tables + item.segment * a.table_width;
     s_stride = tpb + 16;
     s.resize(group * s_stride);
     correction.resize(group);
     for (int64_t b = first / tpb; b <= last / tpb; ++b) {
       pump(pf_end - pf_next);  // what the last block's steps left of its prefetch
-      if (b < last / tpb) start_prefetch(block_base(table[b + 1]));
+      if (b < last / tpb)
+        start_prefetch(block_base(table[b + 1]));
+      else if (then)
+        start_prefetch(block_base(a.tables[then->segment * a.table_width + first_key(*then) / tpb]));
       const int64_t num_keys = std::min(tpb, last + 1 - b * tpb);
       const T* kb = block_base(table[b]);
       for (int64_t t = 0; t < item.t1 - item.t0; ++t)
         for (int64_t g = 0; g < a.layout.num_kv_heads; ++g)
           attend_group(t * a.num_heads + g * group, g, seg.start_pos + item.t0 + t, b * tpb, num_keys, kb);
     }
-    pump(pf_end - pf_next);
     store(item, seg, rows);
+  }
+
+  int64_t last_key(const WorkItem& item) const { return a.segments[item.segment].start_pos + item.t1 - 1; }
+  int64_t first_key(const WorkItem& item) const {
+    return a.window ? std::max<int64_t>(0, a.segments[item.segment].start_pos + item.t0 - a.window + 1) : 0;
   }
 
 #if defined(__AVX512BF16__)
@@ -165,8 +172,7 @@ struct TileAttention {
     std::vector<const bf16*> q_rows(rows);
     std::vector<int64_t> positions(rows);
     std::vector<float> out(rows * HD);
-    const int64_t last = seg.start_pos + item.t1 - 1;
-    const int64_t first = a.window ? std::max<int64_t>(0, seg.start_pos + item.t0 - a.window + 1) : 0;
+    const int64_t last = last_key(item), first = first_key(item);
     for (int64_t g = 0; g < L.num_kv_heads; ++g) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t token = seg.q_start + item.t0 + r / group;
@@ -307,7 +313,11 @@ void run_items(const AttentionArgs<T>& a, const std::vector<WorkItem>& items) {
   const int64_t num_items = int64_t(items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     TileAttention<T, CH> tile(a);
-    for (int64_t i = next++; i < num_items; i = next++) tile.run(items[i]);
+    for (int64_t i = next++; i < num_items;) {
+      const int64_t then = next++;
+      tile.run(items[i], then < num_items ? &items[then] : nullptr);
+      i = then;
+    }
   });
 }
 

@@ -44,7 +44,9 @@ struct Bf16TileAttention {
     for (int64_t key = first_key - first_key % kKeys; key <= last_key; key += kKeys) {
       const int64_t n = std::min<int64_t>(kKeys, last_key + 1 - key);
       pack(table, tpb, key, n, kv_head);
-      for (int64_t r = 0; r < rows; ++r) attend(r, q_rows[r], positions[r], key, n);
+      int64_t r = 0;
+      for (; r + kRows <= rows; r += kRows) attend_rows<kRows>(r, q_rows + r, positions + r, key, n);
+      for (; r < rows; ++r) attend_rows<1>(r, q_rows + r, positions + r, key, n);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
@@ -67,54 +69,90 @@ struct Bf16TileAttention {
     }
   }
 
-  void attend(int64_t r, const bf16* q, int64_t pos, int64_t key, int64_t n) {
-    if (pos < key || (window && key + n - 1 <= pos - window)) return;  // sees none of the chunk
+  // Rows r .. r + NR through one chunk together: each K and V pair vector is loaded once for all
+  // of them and their dependent chains (max, exp, sums) interleave. A row's arithmetic is the same
+  // whatever NR; when a row sees none of the chunk, each row goes through alone.
+  static constexpr int kRows = CH <= 4 ? 4 : CH <= 8 ? 2 : 1;
+  template <int NR>
+  void attend_rows(int64_t r, const bf16* const* q, const int64_t* pos, int64_t key, int64_t n) {
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
-    __m512 s_lo = _mm512_setzero_ps(), s_hi = _mm512_setzero_ps();  // keys 0-15, 16-31
-    __m512 t_lo = _mm512_setzero_ps(), t_hi = _mm512_setzero_ps();  // odd dimension pairs
-    for (int64_t dp = 0; dp < HD / 2; dp += 2) {
-      const __m512bh q0 = (__m512bh)_mm512_set1_epi32(int(q32[dp])), q1 = (__m512bh)_mm512_set1_epi32(int(q32[dp + 1]));
-      s_lo = _mm512_dpbf16_ps(s_lo, q0, (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys]));
-      s_hi = _mm512_dpbf16_ps(s_hi, q0, (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys + 16]));
-      t_lo = _mm512_dpbf16_ps(t_lo, q1, (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys]));
-      t_hi = _mm512_dpbf16_ps(t_hi, q1, (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys + 16]));
+    for (int i = 0; i < NR; ++i)
+      if (pos[i] < key || (window && key + n - 1 <= pos[i] - window)) {
+        if constexpr (NR > 1)
+          for (int k = 0; k < NR; ++k) attend_rows<1>(r + k, q + k, pos + k, key, n);
+        return;
+      }
+    __m512 lo[NR], hi[NR];
+    {
+      __m512 s_lo[NR], s_hi[NR], t_lo[NR], t_hi[NR];
+      for (int i = 0; i < NR; ++i) s_lo[i] = s_hi[i] = t_lo[i] = t_hi[i] = _mm512_setzero_ps();
+      for (int64_t dp = 0; dp < HD / 2; dp += 2) {
+        const __m512bh k0l = (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys]);
+        const __m512bh k0h = (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys + 16]);
+        const __m512bh k1l = (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys]);
+        const __m512bh k1h = (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys + 16]);
+        for (int i = 0; i < NR; ++i) {
+          const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q[i]);
+          const __m512bh q0 = (__m512bh)_mm512_set1_epi32(int(q32[dp])), q1 = (__m512bh)_mm512_set1_epi32(int(q32[dp + 1]));
+          s_lo[i] = _mm512_dpbf16_ps(s_lo[i], q0, k0l);
+          s_hi[i] = _mm512_dpbf16_ps(s_hi[i], q0, k0h);
+          t_lo[i] = _mm512_dpbf16_ps(t_lo[i], q1, k1l);
+          t_hi[i] = _mm512_dpbf16_ps(t_hi[i], q1, k1h);
+        }
+      }
+      const __m512 scale_v = _mm512_set1_ps(scale);
+      for (int i = 0; i < NR; ++i) {
+        lo[i] = _mm512_mul_ps(_mm512_add_ps(s_lo[i], t_lo[i]), scale_v);
+        hi[i] = _mm512_mul_ps(_mm512_add_ps(s_hi[i], t_hi[i]), scale_v);
+      }
     }
-    const __m512 scale_v = _mm512_set1_ps(scale);
-    __m512 lo = _mm512_mul_ps(_mm512_add_ps(s_lo, t_lo), scale_v), hi = _mm512_mul_ps(_mm512_add_ps(s_hi, t_hi), scale_v);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i pos_lo = _mm512_add_epi32(_mm512_set1_epi32(int(key)), iota);
     const __m512i pos_hi = _mm512_add_epi32(pos_lo, _mm512_set1_epi32(16));
-    const __m512i query = _mm512_set1_epi32(int(pos));
     const uint32_t in_chunk = uint32_t((1ull << n) - 1);
-    __mmask16 valid_lo = _mm512_cmple_epi32_mask(pos_lo, query) & __mmask16(in_chunk);
-    __mmask16 valid_hi = _mm512_cmple_epi32_mask(pos_hi, query) & __mmask16(in_chunk >> 16);
-    if (window) {
-      const __m512i oldest = _mm512_set1_epi32(int(pos - window));
-      valid_lo &= _mm512_cmpgt_epi32_mask(pos_lo, oldest);
-      valid_hi &= _mm512_cmpgt_epi32_mask(pos_hi, oldest);
+    __mmask16 valid_lo[NR], valid_hi[NR];
+    for (int i = 0; i < NR; ++i) {
+      const __m512i query = _mm512_set1_epi32(int(pos[i]));
+      valid_lo[i] = _mm512_cmple_epi32_mask(pos_lo, query) & __mmask16(in_chunk);
+      valid_hi[i] = _mm512_cmple_epi32_mask(pos_hi, query) & __mmask16(in_chunk >> 16);
+      if (window) {
+        const __m512i oldest = _mm512_set1_epi32(int(pos[i] - window));
+        valid_lo[i] &= _mm512_cmpgt_epi32_mask(pos_lo, oldest);
+        valid_hi[i] &= _mm512_cmpgt_epi32_mask(pos_hi, oldest);
+      }
+      if (!valid_lo[i] && !valid_hi[i]) {
+        if constexpr (NR > 1)
+          for (int k = 0; k < NR; ++k) attend_rows<1>(r + k, q + k, pos + k, key, n);
+        return;
+      }
     }
-    if (!valid_lo && !valid_hi) return;
-    lo = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid_lo, lo);
-    hi = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid_hi, hi);
-    const float new_max = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)));
-    const __m512 top = _mm512_set1_ps(new_max);
-    const __m512 p_lo = exp16(_mm512_sub_ps(lo, top)), p_hi = exp16(_mm512_sub_ps(hi, top));
-    const __m512 correction = exp16(_mm512_set1_ps(m[r] - new_max));  // 0 when m was -inf
-    l[r] = l[r] * _mm512_cvtss_f32(correction) + _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
-    m[r] = new_max;
-    uint32_t ppair[16];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair), (__m256i)_mm512_cvtneps_pbh(p_lo));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair + 8), (__m256i)_mm512_cvtneps_pbh(p_hi));
-    float* o = &acc[r * HD];
-    __m512 out[CH];
-    for (int c = 0; c < CH; ++c) out[c] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), correction);
+    uint32_t ppair[NR][16];
+    __m512 correction[NR];
+    for (int i = 0; i < NR; ++i) {
+      const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid_lo[i], lo[i]);
+      const __m512 y = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid_hi[i], hi[i]);
+      const float new_max = std::max(m[r + i], _mm512_reduce_max_ps(_mm512_max_ps(x, y)));
+      const __m512 top = _mm512_set1_ps(new_max);
+      const __m512 p_lo = exp16(_mm512_sub_ps(x, top)), p_hi = exp16(_mm512_sub_ps(y, top));
+      correction[i] = exp16(_mm512_set1_ps(m[r + i] - new_max));  // 0 when m was -inf
+      l[r + i] = l[r + i] * _mm512_cvtss_f32(correction[i]) + _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
+      m[r + i] = new_max;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair[i]), (__m256i)_mm512_cvtneps_pbh(p_lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair[i] + 8), (__m256i)_mm512_cvtneps_pbh(p_hi));
+    }
+    __m512 out[NR][CH];
+    for (int i = 0; i < NR; ++i)
+      for (int c = 0; c < CH; ++c) out[i][c] = _mm512_mul_ps(_mm512_loadu_ps(&acc[(r + i) * HD + 16 * c]), correction[i]);
     for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
-      const __m512bh pj = (__m512bh)_mm512_set1_epi32(int(ppair[jp]));
-      for (int c = 0; c < CH; ++c)
-        out[c] = _mm512_dpbf16_ps(out[c], pj, (__m512bh)_mm512_loadu_si512(&vp[jp * HD + 16 * c]));
+      __m512bh v[CH];
+      for (int c = 0; c < CH; ++c) v[c] = (__m512bh)_mm512_loadu_si512(&vp[jp * HD + 16 * c]);
+      for (int i = 0; i < NR; ++i) {
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32(int(ppair[i][jp]));
+        for (int c = 0; c < CH; ++c) out[i][c] = _mm512_dpbf16_ps(out[i][c], pj, v[c]);
+      }
     }
-    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(o + 16 * c, out[c]);
+    for (int i = 0; i < NR; ++i)
+      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(&acc[(r + i) * HD + 16 * c], out[i][c]);
   }
 };
 

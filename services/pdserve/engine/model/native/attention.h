@@ -258,8 +258,12 @@ struct TileAttention {
   // probabilities; returns the factor the row's earlier sums are scaled by.
   float softmax_block(int64_t r, float* sr, int64_t hi) {
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    float block_max = neg_inf;
-    for (int64_t j = 0; j < hi; ++j) block_max = std::max(block_max, sr[j]);
+    __m512 maxes = _mm512_set1_ps(neg_inf);
+    for (int64_t j = 0; j < hi; j += 16) {
+      const __mmask16 lanes = (__mmask16)((1u << std::min<int64_t>(16, hi - j)) - 1);
+      maxes = _mm512_max_ps(maxes, _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), lanes, &sr[j]));
+    }
+    const float block_max = _mm512_reduce_max_ps(maxes);
     const float new_max = std::max(m[r], block_max);
     const float scale_old = m[r] == neg_inf ? 0.0f : std::exp(m[r] - new_max);
     __m512 sum = _mm512_setzero_ps();

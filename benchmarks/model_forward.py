@@ -7,6 +7,8 @@ new token for each of `--seqs` sequences per step, as a continuous batch would. 
 JSON object (and writes it to `--json PATH` when given, as `run_all.py` asks).
 
     .venv/bin/python benchmarks/model_forward.py --seqs 64 --prompt-len 128 --decode-steps 128
+
+KV blocks hold 64 tokens, as a worker on a CPU stores them (`--tokens-per-block` changes it).
 """
 import argparse
 import json
@@ -27,7 +29,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in [("hidden", 768), ("layers", 12), ("heads", 12), ("kv-heads", 12),
                           ("intermediate", 3072), ("vocab", 32000), ("seqs", 64), ("prompt-len", 128),
-                          ("decode-steps", 128), ("prefill-budget", 2048), ("tokens-per-block", 16),
+                          ("decode-steps", 128), ("prefill-budget", 2048), ("tokens-per-block", 64),
                           ("threads", 0)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])

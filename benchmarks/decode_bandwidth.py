@@ -64,7 +64,7 @@ def decode_step_s(runner: ModelRunner, context: int, steps: int) -> float:
     """Median seconds of a batch-1 decode step `context` tokens into a sequence."""
     tpb = runner.tokens_per_block
     table = tuple(range(-(-(context + steps + 1) // tpb)))
-    runner.forward(ForwardBatch((SeqChunk("r", tuple(range(1, context + 1)), 0, table),)))
+    runner.forward(ForwardBatch((SeqChunk("r", tuple(range(1, context + 1)), 0, table, is_prompt=True),)))
     times = []
     for i in range(steps):
         start = time.perf_counter()

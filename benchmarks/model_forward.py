@@ -80,7 +80,7 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], tables, budget: int) 
         if current and used + len(tokens) > budget:
             steps.append(current)
             current, used = [], 0
-        current.append(SeqChunk(str(i), tuple(tokens), 0, tables[i]))
+        current.append(SeqChunk(str(i), tuple(tokens), 0, tables[i], is_prompt=True))
         used += len(tokens)
     steps.append(current)
     start = time.perf_counter()

@@ -58,9 +58,9 @@ def prompt(length: int, seed: int) -> list[int]:
 
 
 def chunk(rid: str, token_ids: list[int], start_pos: int, blocks: list[int], *, all_logits: bool = False,
-          needs_logits: bool = True) -> SeqChunk:
+          needs_logits: bool = True, is_prompt: bool = False) -> SeqChunk:
     return SeqChunk(RequestId(rid), tuple(token_ids), start_pos, tuple(blocks),
-                    needs_logits=needs_logits, all_logits=all_logits)
+                    needs_logits=needs_logits, all_logits=all_logits, is_prompt=is_prompt)
 
 
 def run(runner: ModelRunner, *chunks: SeqChunk) -> list[torch.Tensor]:

@@ -72,6 +72,19 @@ def test_second_request_reuses_the_cached_prefix():
     assert engine.kv.num_hit_tokens == 20
 
 
+def test_chunks_in_the_prompt_are_marked_as_prompt_however_short():
+    """The model computes prompt tokens one way (a tile) and decode tokens another; a prompt whose
+    every block but its last token is cached still goes as a prompt."""
+    engine = make_engine(budget=7)
+    seen = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda batch: seen.extend(batch.chunks) or forward(batch)
+    run(engine, [request("a", range(21))])
+    run(engine, [request("b", range(21))])  # 20 tokens in whole cached blocks: 1 left to compute
+    assert [(c.start_pos, len(c.token_ids)) for c in seen if c.is_prompt] == [(0, 7), (7, 7), (14, 7), (20, 1)]
+    assert all(len(c.token_ids) == 1 and c.start_pos >= 21 for c in seen if not c.is_prompt)
+
+
 def test_n_completions_share_the_prompt_blocks():
     engine = make_engine()
     prompt = list(range(10, 23))  # 13 tokens: 3 full blocks and a partial one to copy

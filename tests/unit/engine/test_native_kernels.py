@@ -55,7 +55,7 @@ def reference_attention(q, kv, layer, segments, tables, num_heads, window):
     """Naive float32 attention of each segment's queries over its keys, read via its table."""
     _, _, _, tpb, kvh, hd = kv.shape
     out = torch.zeros(q.shape[0], num_heads * hd)
-    for s, (q_start, q_len, start) in enumerate(segments.tolist()):
+    for s, (q_start, q_len, start, _) in enumerate(segments.tolist()):
         ctx = start + q_len
         blocks = tables[s, :-(-ctx // tpb)].long()
         k = kv[blocks, layer, 0].reshape(-1, kvh, hd)[:ctx].float().repeat_interleave(num_heads // kvh, 1)
@@ -76,10 +76,12 @@ def test_paged_attention_equals_reference(native, dtype, tol, num_heads, kvh, hd
     g = torch.Generator().manual_seed(num_heads + hd + window)
     layers = 2
     kv = torch.randn(40, layers, 2, tpb, kvh, hd, generator=g).to(dtype)
-    # decode token at 17 | chunk of 6 over a 9-token prefix | fresh prompt of 21 | decode at 0
-    segments = torch.tensor([[0, 1, 17], [1, 6, 9], [7, 21, 0], [28, 1, 0]], dtype=torch.int32)
-    tables = torch.randperm(40, generator=g)[:24].view(4, 6).to(torch.int32)
-    q = torch.randn(29, (num_heads + 2 * kvh) * hd, generator=g).to(dtype)  # q heads first, as in qkv rows
+    # decode token at 17 | chunk of 6 over a 9-token prefix | fresh prompt of 21 | decode at 0 |
+    # a prompt's last token behind 22 cached ones | 3 left of a prompt after 5
+    segments = torch.tensor([[0, 1, 17, 0], [1, 6, 9, 1], [7, 21, 0, 1], [28, 1, 0, 0], [29, 1, 22, 1],
+                             [30, 3, 5, 1]], dtype=torch.int32)
+    tables = torch.randperm(40, generator=g)[:36].view(6, 6).to(torch.int32)
+    q = torch.randn(33, (num_heads + 2 * kvh) * hd, generator=g).to(dtype)  # q heads first, as in qkv rows
     out = native.attention(q, kv, 1, segments, tables, num_heads, hd ** -0.5, window)
     expected = reference_attention(q, kv, 1, segments, tables, num_heads, window)
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
@@ -93,7 +95,7 @@ def test_decode_rows_of_any_group_size_equal_reference(native, dtype, tol, num_h
     g = torch.Generator().manual_seed(num_heads * hd)
     tpb = 16
     kv = torch.randn(12, 1, 2, tpb, kvh, hd, generator=g).to(dtype)
-    segments = torch.tensor([[0, 1, 0], [1, 1, 15], [2, 1, 16], [3, 1, 39]], dtype=torch.int32)
+    segments = torch.tensor([[0, 1, 0, 0], [1, 1, 15, 0], [2, 1, 16, 0], [3, 1, 39, 0]], dtype=torch.int32)
     tables = torch.randperm(12, generator=g)[:12].view(4, 3).to(torch.int32)
     q = torch.randn(4, (num_heads + 2 * kvh) * hd, generator=g).to(dtype)
     out = native.attention(q, kv, 0, segments, tables, num_heads, hd ** -0.5, 0)
@@ -107,7 +109,7 @@ def test_long_chunks_over_a_prefix_span_several_tiles(native, dtype, tol):
     g = torch.Generator().manual_seed(7)
     kvh, hd, num_heads, tpb = 2, 64, 6, 16
     kv = torch.randn(40, 1, 2, tpb, kvh, hd, generator=g).to(dtype)
-    segments = torch.tensor([[0, 150, 37], [150, 130, 0]], dtype=torch.int32)
+    segments = torch.tensor([[0, 150, 37, 1], [150, 130, 0, 1]], dtype=torch.int32)
     tables = torch.randperm(40, generator=g)[:26].view(2, 13).to(torch.int32)
     q = torch.randn(280, num_heads * hd, generator=g).to(dtype)
     out = native.attention(q, kv, 0, segments, tables, num_heads, hd ** -0.5, 0)
@@ -152,6 +154,38 @@ def test_bf16_runner_holds_one_packed_copy_of_its_matrices(checkpoints, tmp_path
     torch.testing.assert_close(logits, checkpoints["llama"].hf_logits(ids), atol=0.1, rtol=0.05)
     with pytest.raises(RuntimeError, match="handed to the native kernels"):
         model.forward(torch.tensor(ids), None, runner.kv, torch.tensor([0]))
+
+
+def test_bf16_prompt_comes_out_the_same_bits_whole_chunked_or_behind_a_cache(checkpoints, tmp_path):
+    """Every prompt token goes through the tile kernel however few a chunk leaves, so a 130-token
+    prompt's last logits, and the next decode step's, are the same bits computed whole (a tile of
+    128 and one of 2), as 127 + 3, 129 + 1 or 64 + 64 + 2, or as its last token behind 129 cached."""
+    if not packs_weights(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 runs on torch ops")
+    copy.deepcopy(checkpoints["llama"].hf_model).to(torch.bfloat16).save_pretrained(tmp_path)
+    runner = ModelRunner.load(tmp_path, dtype="bfloat16", device="cpu", num_blocks=64,
+                              tokens_per_block=TOKENS_PER_BLOCK, kernels="native")
+    ids, blocks = prompt(130, seed=3), list(range(33))
+
+    def complete(sizes: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        for size in sizes:
+            [last] = run(runner, chunk("r", ids[start:start + size], start, blocks, is_prompt=True))
+            start += size
+        [after] = run(runner, chunk("r", [int(last.argmax())], start, blocks))
+        return last, after
+
+    whole = complete([130])
+    for sizes in ([127, 3], [129, 1], [64, 64, 2]):
+        assert all(torch.equal(a, b) for a, b in zip(complete(sizes), whole, strict=True)), sizes
+    complete([130])
+    assert all(torch.equal(a, b) for a, b in zip(complete([1], start=129), whole, strict=True))
+
+
+def test_segments_of_the_wrong_shape_are_refused(native):
+    kv = torch.zeros(4, 1, 2, 4, 1, 32)
+    with pytest.raises(RuntimeError, match="segments must be contiguous"):
+        native.attention(torch.zeros(1, 32), kv, 0, torch.tensor([[0, 1, 0]], dtype=torch.int32),
+                         torch.zeros(1, 1, dtype=torch.int32), 1, 1.0, 0)
 
 
 def test_float32_runner_keeps_plain_matrices(checkpoints):

@@ -329,7 +329,8 @@ class LLMEngine:
         end = start + chunk.num_tokens
         return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:end]), start,
                         tuple(self.kv.block_ids(seq.seq_id)), needs_logits=end == len(seq.token_ids),
-                        all_logits=seq.wants_prompt_logprobs, lora_id=seq.request.lora_id)
+                        all_logits=seq.wants_prompt_logprobs, lora_id=seq.request.lora_id,
+                        is_prompt=start < seq.num_prompt_tokens)
 
     def _record_prompt_logprobs(self, seq: Sequence, chunk: SeqChunk, logits: torch.Tensor) -> None:
         """Keep the logprobs of the prompt tokens this chunk's rows predict:

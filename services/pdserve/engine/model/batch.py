@@ -20,6 +20,7 @@ class SeqChunk:
     needs_logits: bool = True  # logits for the last token (False for a mid-prompt chunk)
     all_logits: bool = False  # logits for every chunk token (teacher-forced checks)
     lora_id: int | None = None  # the LoRA adapter its tokens run under; None: the base model
+    is_prompt: bool = False  # it starts within the prompt: computed as a prompt, however few its tokens
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,7 +3,7 @@
 Same weights, same KV tensor, same logits as `CausalLM.forward` up to float rounding: each
 step Python hands over four small tensors and the C++ side runs every layer.
 
-    segments (S, 3) int32: | q_start (row in the step) | q_len | start_pos (tokens already in KV) |
+    segments (S, 4) int32: | q_start (row in the step) | q_len | start_pos (tokens already in KV) | prompt |
 """
 import torch
 
@@ -93,7 +93,7 @@ class NativeForward:
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
         segments, first = [], 0
         for chunk in chunks:
-            segments.append((first, len(chunk.token_ids), chunk.start_pos))
+            segments.append((first, len(chunk.token_ids), chunk.start_pos, int(chunk.is_prompt)))
             first += len(chunk.token_ids)
         width = max(len(c.block_table) for c in chunks)
         tables = torch.tensor([c.block_table + (0,) * (width - len(c.block_table)) for c in chunks],

@@ -33,6 +33,7 @@ struct KvLayout {
 
 struct Segment {
   int32_t q_start, q_len, start_pos;
+  int32_t prompt;  // 1: prompt tokens (see `tiled`)
 };
 
 template <typename T>
@@ -52,10 +53,14 @@ struct AttentionArgs {
 };
 
 constexpr int64_t kQueryTile = 16;  // query tokens of one segment per work item
-// bf16 chunks of at least kMinPackedTile tokens use the packed path, in tiles of up to
-// kPackedTile tokens: each tile packs every K/V chunk it sees once, so longer tiles pack less.
+// In bf16, prompt chunks and any chunk of at least kMinPackedTile tokens use the packed path,
+// in tiles of up to kPackedTile tokens: each tile packs every K/V chunk it sees once, so longer
+// tiles pack less. Its arithmetic differs from the per-row path's (bf16 dot products, bf16
+// probabilities), so every token of a prompt goes through it however few are left: a prompt's
+// KV and first token then come out bit-identical whole, chunked or behind a cached prefix.
 constexpr int64_t kMinPackedTile = 4;
 constexpr int64_t kPackedTile = 128;
+inline bool tiled(const Segment& s) { return s.prompt || s.q_len >= kMinPackedTile; }
 #if defined(__AVX512BF16__)
 constexpr bool kHasPackedAttention = true;
 #else
@@ -130,7 +135,7 @@ struct TileAttention {
   void run(const WorkItem& item, const WorkItem* then = nullptr) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, bf16>) {
-      if (item.t1 - item.t0 >= kMinPackedTile) return run_packed(item);
+      if (tiled(a.segments[item.segment])) return run_packed(item);
     }
 #endif
     const Segment seg = a.segments[item.segment];
@@ -331,7 +336,7 @@ void paged_attention(const AttentionArgs<T>& a, const std::vector<int32_t>& ids 
   std::vector<WorkItem> items;
   auto add = [&](int32_t s) {
     const int32_t len = a.segments[s].q_len;
-    const bool packed = kHasPackedAttention && std::is_same_v<T, bf16> && len >= kMinPackedTile;
+    const bool packed = kHasPackedAttention && std::is_same_v<T, bf16> && tiled(a.segments[s]);
     const int32_t tile = int32_t(packed ? kPackedTile : kQueryTile);
     for (int32_t t0 = 0; t0 < len; t0 += tile) items.push_back({s, t0, std::min<int32_t>(len, t0 + tile)});
   };

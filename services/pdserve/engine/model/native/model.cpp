@@ -15,6 +15,15 @@ T* data(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+// Segments are read in place as `Segment` rows.
+inline void check_segments(const at::Tensor& segments, const at::Tensor& tables) {
+  TORCH_CHECK(segments.scalar_type() == at::kInt && tables.scalar_type() == at::kInt, "int32 segments and tables");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 4 && segments.is_contiguous(),
+              "segments must be contiguous (S, 4): q_start, q_len, start_pos, prompt");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == segments.size(0) && tables.is_contiguous(),
+              "one contiguous row of block ids per segment");
+}
+
 struct Layer {
   at::Tensor input_norm, qkv, qkv_bias, o_proj, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
 };
@@ -39,11 +48,12 @@ class NativeModel {
     }
   }
 
-  // token_ids (T,) int64; segments (S, 3) int32 [q_start, q_len, start_pos]; tables (S, W)
+  // token_ids (T,) int64; segments (S, 4) int32 [q_start, q_len, start_pos, prompt]; tables (S, W)
   // int32; logit_rows (R,) int64; kv (N, L, 2, tpb, kvh, hd). Returns float32 logits (R, V).
   at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& segments, const at::Tensor& tables,
                      const at::Tensor& logit_rows, const at::Tensor& kv) {
     TORCH_CHECK(kv.scalar_type() == embed_.scalar_type(), "KV dtype must equal the weights' dtype");
+    check_segments(segments, tables);
     if (embed_.scalar_type() == at::kBFloat16) return run<bf16>(token_ids, segments, tables, logit_rows, kv);
     return run<float>(token_ids, segments, tables, logit_rows, kv);
   }
@@ -166,7 +176,7 @@ class NativeModel {
 at::Tensor attention(const at::Tensor& q, const at::Tensor& kv, int64_t layer, const at::Tensor& segments,
                      const at::Tensor& tables, int64_t num_heads, double scale, int64_t window) {
   TORCH_CHECK(q.scalar_type() == kv.scalar_type() && q.stride(1) == 1, "q must be row-major in the KV dtype");
-  TORCH_CHECK(segments.scalar_type() == at::kInt && tables.scalar_type() == at::kInt, "int32 segments and tables");
+  check_segments(segments, tables);
   const int64_t hd = kv.size(5);
   at::Tensor out = at::empty({q.size(0), num_heads * hd}, q.options());
   auto run = [&](auto tag) {

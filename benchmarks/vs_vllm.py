@@ -13,12 +13,17 @@ ratios measured side by side. Workloads (each its own seed, so none finds anothe
 Startup rows: seconds from `pdserve serve` to a served `/v1/models`, and the peak RSS summed
 over the launcher and its children. Nothing is asserted.
 
+With `--rounds N` every workload runs N times on every system, each round with seeds of its own
+and the systems in a rotated order; a row is then the median of its rounds, and `ratios_by_round`
+keeps each round's ratios, so the spread of this machine's noise is there to read.
+
     python benchmarks/vs_vllm.py --json vs-vllm.json
     python benchmarks/vs_vllm.py --model CKPT_DIR --compare-url http://127.0.0.1:8001 --compare-label vllm
     python benchmarks/vs_vllm.py --scale 0.25      # every prompt count a quarter (a quick look)
 """
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -54,6 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", action="append", choices=list(TOPOLOGIES), help="run only this topology")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's prompt count")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="run every workload this many times (medians)")
     parser.add_argument("--compare-url", help="another OpenAI-compatible server to run the workloads on")
     parser.add_argument("--compare-model", help="model name there (default: first of its /v1/models)")
     parser.add_argument("--compare-label", default="other", help="its name in the results")
@@ -123,26 +129,61 @@ def ratios(rows: list[dict], label: str) -> dict[str, float | None]:
     return found
 
 
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (system, workload): each figure the median of its rounds."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["system"], row["workload"]), []).append(row)
+    merged = []
+    for (system, workload), group in groups.items():
+        row = {"system": system, "workload": workload, "rounds": len(group)}
+        for key in group[0]:
+            values = [r[key] for r in group if isinstance(r.get(key), (int, float))]
+            if key not in row and key != "round" and len(values) == len(group):
+                row[key] = statistics.median(values)
+        merged.append(row)
+    return merged
+
+
+def ratios_by_round(rows: list[dict], label: str) -> dict[str, list[float | None]]:
+    """Each round's ratios, side by side per ratio."""
+    found: dict[str, list[float | None]] = {}
+    for r in sorted({row["round"] for row in rows}):
+        for key, value in ratios([row for row in rows if row["round"] == r], label).items():
+            found.setdefault(key, []).append(value)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     model = args.model or default_model_path()
-    rows = []
+    measured = []
     with work_dir(args.keep_dir, "vs-vllm-") as out_dir, ExitStack() as stack:
         # Every system is up before the first workload, and each workload runs on all of them
         # back to back: the load of this shared machine drifts over a run, so a system measured
         # minutes after another would carry the drift into the ratios.
         servers = [start_topology(name, flags + args.serve_flags.split(), model, out_dir, stack)
                    for name, flags in TOPOLOGIES.items() if not args.only or name in args.only]
-        for workload in workloads(args.scale, args.seed):
-            rows += [run_online(s.name, workload, s.url, model, None, out_dir) for s in servers]
-            if args.compare_url:
-                rows.append(run_online(args.compare_label, workload, args.compare_url, model, args.compare_model,
-                                       out_dir))
-        rows = [s.startup_row() for s in servers] + rows
+        targets = [(s.name, s.url, None) for s in servers]
+        if args.compare_url:
+            targets.append((args.compare_label, args.compare_url, args.compare_model))
+        for r in range(args.rounds):
+            round_dir = out_dir / f"round-{r}" if args.rounds > 1 else out_dir
+            round_dir.mkdir(exist_ok=True)
+            order = targets[r % len(targets):] + targets[:r % len(targets)]  # who goes first rotates
+            for workload in workloads(args.scale, args.seed + 10 * r):
+                measured += [{**run_online(name, workload, url, model, served_model, round_dir), "round": r}
+                             for name, url, served_model in order]
+        startup = [s.startup_row() for s in servers]
+    rows = startup + median_rows(measured)
     config = {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model,
-              "workloads": [w.as_dict() for w in workloads(args.scale, args.seed)]}
+              "workloads": [w.as_dict() for r in range(args.rounds) for w in workloads(args.scale, args.seed + 10 * r)]}
     result = {"benchmark": "vs_vllm", "config": config, "results": rows, "ratios": ratios(rows, args.compare_label)}
-    print(json.dumps({"results": rows, "ratios": result["ratios"]}, indent=2))
+    if args.rounds > 1:
+        result.update(ratios_by_round=ratios_by_round(measured, args.compare_label), rounds=measured)
+    print(json.dumps({k: v for k, v in result.items() if k in ("results", "ratios", "ratios_by_round")}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

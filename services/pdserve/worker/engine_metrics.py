@@ -26,6 +26,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # vLLM's; past the 600 s first-output timeout
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -80,6 +81,8 @@ class EngineMetrics:
                                    "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
         self.decode = histogram("vllm:request_decode_time_seconds",
                                 "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          ITERATION_TOKEN_BUCKETS)
         self.request_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Number of generation tokens processed.", tokens)
@@ -87,6 +90,8 @@ class EngineMetrics:
     def record(self, stats: StepStats) -> None:
         """Observe one batch of the engine's figures (on the engine thread; never blocks)."""
         self.generation_tokens.inc(stats.num_generation_tokens)
+        for num_tokens in stats.step_tokens:
+            self.iteration_tokens.observe(num_tokens)
         for ttft in stats.ttfts_s:
             self.ttft.observe(ttft)
         for itl in stats.inter_token_s:

@@ -39,6 +39,7 @@ def test_a_chunked_prefill_and_its_decode_are_timed_from_arrival_on_the_engines_
     stats = engine.take_step_stats()
     assert stats.prefills == [PrefillDone(queue_s=2.0, prefill_s=1.0, num_prompt_tokens=21)]
     assert stats.ttfts_s == [3.0] and stats.inter_token_s == [2.0, 4.0] and stats.num_generation_tokens == 3
+    assert stats.step_tokens == [12, 9, 1, 1]  # each step's tokens: two prompt chunks, two decode tokens
     assert stats.finished == [FinishedSeq("length", e2e_s=9.0, inference_s=7.0, decode_s=6.0,
                                           num_prompt_tokens=21, num_generation_tokens=3)]
     assert not engine.take_step_stats()  # taken: the next batch starts empty

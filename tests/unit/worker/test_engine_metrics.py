@@ -31,7 +31,7 @@ def test_step_figures_become_vllms_request_series() -> None:
     metrics.record(StepStats(num_generation_tokens=5, ttfts_s=[0.3], inter_token_s=[0.02, 0.04],
                              prefills=[PrefillDone(0.5, 0.25, 21)],
                              finished=[FinishedSeq("stop", 2.0, 1.5, 1.25, 21, 5),
-                                       FinishedSeq("abort", 0.1, None, None, 7, 0)]))
+                                       FinishedSeq("abort", 0.1, None, None, 7, 0)], step_tokens=[21, 1]))
     found = families(registry)
     assert value(found["vllm:prompt_tokens"], "_total", **LABELS) == 21
     assert value(found["vllm:generation_tokens"], "_total", **LABELS) == 5
@@ -49,6 +49,9 @@ def test_step_figures_become_vllms_request_series() -> None:
                       "vllm:request_generation_tokens": 2}
     assert value(found["vllm:request_decode_time_seconds"], "_sum", **LABELS) == 1.25
     assert value(found["vllm:inter_token_latency_seconds"], "_sum", **LABELS) == 0.06
+    steps = found["vllm:iteration_tokens_total"]
+    assert value(steps, "_count", **LABELS) == 2 and value(steps, "_sum", **LABELS) == 22
+    assert value(steps, "_bucket", le="1.0", **LABELS) == 1 and value(steps, "_bucket", le="16.0", **LABELS) == 1
 
 
 def test_ttft_buckets_reach_past_the_600_s_first_output_timeout_and_token_buckets_the_model_length() -> None:

@@ -114,6 +114,7 @@ class LLMEngine:
             return []
         batch = ForwardBatch(tuple(self._seq_chunk(c) for c in chunks))
         result = self.runner.forward(batch)
+        self._step_stats.step_tokens.append(batch.num_tokens)
         sampled_rows: list[tuple[Sequence, object]] = []
         for chunk, seq_chunk, logits in zip(chunks, batch.chunks, result.logits):
             if seq_chunk.all_logits:

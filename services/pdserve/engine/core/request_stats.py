@@ -58,9 +58,10 @@ class StepStats:
     inter_token_s: list[float] = field(default_factory=list)
     prefills: list[PrefillDone] = field(default_factory=list)
     finished: list[FinishedSeq] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)  # tokens each model step computed, prompt and decode
 
     def __bool__(self) -> bool:
-        return bool(self.num_generation_tokens or self.prefills or self.finished)
+        return bool(self.num_generation_tokens or self.prefills or self.finished or self.step_tokens)
 
     def token(self, times: SeqTimes, num_prompt_tokens: int, emitted: bool, now: float) -> None:
         """A sequence got a token at `now`; `emitted` is False for a prefill-only sequence."""

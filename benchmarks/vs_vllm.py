@@ -14,8 +14,10 @@ Startup rows: seconds from `pdserve serve` to a served `/v1/models`, and the pea
 over the launcher and its children. Nothing is asserted.
 
 With `--rounds N` every workload runs N times on every system, each round with seeds of its own
-and the systems in a rotated order; a row is then the median of its rounds, and `ratios_by_round`
-keeps each round's ratios, so the spread of this machine's noise is there to read.
+and the systems in a rotated order; a row is then the median of its rounds, each ratio the
+median of the rounds' ratios (systems measured minutes apart share less of the host's drift
+than those measured back to back), and `ratios_by_round` keeps each round's, so the spread of
+this machine's noise is there to read.
 
     python benchmarks/vs_vllm.py --json vs-vllm.json
     python benchmarks/vs_vllm.py --model CKPT_DIR --compare-url http://127.0.0.1:8001 --compare-label vllm
@@ -154,6 +156,11 @@ def ratios_by_round(rows: list[dict], label: str) -> dict[str, list[float | None
     return found
 
 
+def median_of(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rounds < 1:
@@ -182,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
               "workloads": [w.as_dict() for r in range(args.rounds) for w in workloads(args.scale, args.seed + 10 * r)]}
     result = {"benchmark": "vs_vllm", "config": config, "results": rows, "ratios": ratios(rows, args.compare_label)}
     if args.rounds > 1:
-        result.update(ratios_by_round=ratios_by_round(measured, args.compare_label), rounds=measured)
+        by_round = ratios_by_round(measured, args.compare_label)
+        result.update(ratios={key: median_of(values) for key, values in by_round.items()},
+                      ratios_by_round=by_round, rounds=measured)
     print(json.dumps({k: v for k, v in result.items() if k in ("results", "ratios", "ratios_by_round")}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -17,7 +17,8 @@ With `--rounds N` every workload runs N times on every system, each round with s
 and the systems in a rotated order; a row is then the median of its rounds, each ratio the
 median of the rounds' ratios (systems measured minutes apart share less of the host's drift
 than those measured back to back), and `ratios_by_round` keeps each round's, so the spread of
-this machine's noise is there to read.
+this machine's noise is there to read. Peak memory grows with traffic (the allocator's arenas, to a
+plateau), so the startup row then also gives the peak after the first round.
 
     python benchmarks/vs_vllm.py --json vs-vllm.json
     python benchmarks/vs_vllm.py --model CKPT_DIR --compare-url http://127.0.0.1:8001 --compare-label vllm
@@ -85,9 +86,12 @@ class Served:
     process: subprocess.Popen
     ready_s: float
 
-    def startup_row(self) -> dict:
-        rss = sum(vm_hwm_mib(pid) or 0.0 for pid in [self.process.pid, *descendants(self.process.pid)])
-        return {"system": self.name, "workload": "startup", "ready_s": self.ready_s, "peak_rss_mib_all": rss}
+    def peak_rss_mib(self) -> float:
+        return sum(vm_hwm_mib(pid) or 0.0 for pid in [self.process.pid, *descendants(self.process.pid)])
+
+    def startup_row(self, first_round_peak: float | None = None) -> dict:
+        row = {"system": self.name, "workload": "startup", "ready_s": self.ready_s, "peak_rss_mib_all": self.peak_rss_mib()}
+        return row if first_round_peak is None else {**row, "peak_rss_mib_first_round": first_round_peak}
 
 
 def start_topology(name: str, flags: list[str], model: str, out_dir: Path, stack: ExitStack) -> Served:
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         targets = [(s.name, s.url, None) for s in servers]
         if args.compare_url:
             targets.append((args.compare_label, args.compare_url, args.compare_model))
+        first_round_peaks: dict[str, float] = {}
         for r in range(args.rounds):
             round_dir = out_dir / f"round-{r}" if args.rounds > 1 else out_dir
             round_dir.mkdir(exist_ok=True)
@@ -183,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             for workload in workloads(args.scale, args.seed + 10 * r):
                 measured += [{**run_online(name, workload, url, model, served_model, round_dir), "round": r}
                              for name, url, served_model in order]
-        startup = [s.startup_row() for s in servers]
+            if r == 0 and args.rounds > 1:  # the peak one run of the workloads reaches, as with --rounds 1
+                first_round_peaks = {s.name: s.peak_rss_mib() for s in servers}
+        startup = [s.startup_row(first_round_peaks.get(s.name)) for s in servers]
     rows = startup + median_rows(measured)
     config = {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model,
               "workloads": [w.as_dict() for r in range(args.rounds) for w in workloads(args.scale, args.seed + 10 * r)]}

@@ -69,6 +69,23 @@ def index_blocks(url: str, worker: str) -> float:
     return 0.0
 
 
+def reported_requests(url: str, worker: str) -> float | None:
+    """Running + waiting requests of `worker` as the router at `url` last heard them."""
+    for line in httpx.get(f"{url}/metrics", timeout=5.0).text.splitlines():
+        if line.startswith(f'pdserve_router_worker_requests{{worker="{worker}"}} '):
+            return float(line.split()[-1])
+    return None
+
+
+def wait_for_idle_report(url: str, worker: str, timeout_s: float = 15.0) -> None:
+    """Until the router's last report of `worker` shows no request: one taken while the first
+    request ran makes the holder look busy, and the load can outweigh the hit."""
+    deadline = time.monotonic() + timeout_s
+    while reported_requests(url, worker) != 0:
+        assert time.monotonic() < deadline, f"{url} never heard {worker} idle"
+        time.sleep(0.1)
+
+
 def wait_for_index(url: str, worker: str, num_blocks: float, timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while index_blocks(url, worker) < num_blocks:
@@ -85,6 +102,7 @@ def test_a_prompt_cached_through_one_router_is_a_hit_through_the_other(routers, 
     assert route(cold)["decode_overlap"] == "0"
     assert cold.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     wait_for_index(urls[second], holder, before[holder] + NUM_BLOCKS)  # from the worker's events alone
+    wait_for_idle_report(urls[second], holder)
 
     warm = complete(urls[second], tokens)
     assert route(warm)["decode"] == holder

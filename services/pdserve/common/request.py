@@ -115,6 +115,10 @@ class RequestOutput:
     # A completion's first output, when `prompt_logprobs` was asked for: prompt tokens 1.. in
     # order (token 0 has no context, so no logprob).
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # A prefill-only request's last output (prefill side): the blocks holding its prompt's KV,
+    # in prompt order, held for the peer until released or their lease ends. Read here rather
+    # than asked of the engine, which answers only between steps (a whole prefill step later).
+    held_block_ids: tuple[int, ...] = ()
 
     @property
     def is_finished(self) -> bool:

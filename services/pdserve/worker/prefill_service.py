@@ -96,8 +96,8 @@ class PrefillService:
         request_id = order.request.request_id
         transfer: asyncio.Future | None = None
         try:
-            held = await self._engine.call(self._engine.engine.held_block_ids, request_id)
-            source = held[order.first_block:order.first_block + len(order.dest_block_ids)]
+            held = first.held_block_ids  # the engine may be inside its next step already
+            source = list(held[order.first_block:order.first_block + len(order.dest_block_ids)])
             if len(source) != len(order.dest_block_ids):
                 raise InvalidRequestError(
                     f"prompt has {len(held)} blocks; cannot send {len(order.dest_block_ids)} from block "

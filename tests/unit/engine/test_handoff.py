@@ -13,6 +13,7 @@ def _prefill(p_engine, req):
     while p_engine.has_work:
         outs += p_engine.step()
     assert len(outs) == 1 and outs[0].finish_reason == "length"
+    assert list(outs[0].held_block_ids) == p_engine.held_block_ids(req.request_id)  # the output names them
     return outs[0].token_ids[0]
 
 

@@ -3,6 +3,8 @@ the real KvTransfer gRPC service, and the fake transport with injected faults.""
 import asyncio
 import contextlib
 import socket
+import threading
+import time
 
 import grpc
 import pytest
@@ -123,6 +125,47 @@ def test_remote_prefill_equals_local_prefill(checkpoint):
         local = await _collect(pair.d.generate(_request("l")))
         assert [o.token_ids for o in remote] == [o.token_ids for o in local]
         assert pair.metrics.blocks.labels("received")._sum.get() == 6  # 23 tokens: 6 blocks moved
+        assert await _until(lambda: pair.used() == (0, 0))
+
+    _run(checkpoint, body)
+
+
+def test_a_prefill_answers_while_the_prefill_engine_runs_its_next_step(checkpoint):
+    """The prompt's blocks come with its first token: the write and the answer do not wait for
+    the prefill engine's next step to end (on a busy prefill worker, a whole prefill step). Here
+    the first token reaches the prefill service only once that next step has begun."""
+    async def body(pair, address):
+        runner, threaded = pair.p.engine.runner, pair.p
+        forward, deliver = runner.forward, threaded._deliver
+        prefilled, blocked, release = threading.Event(), threading.Event(), threading.Event()
+
+        def slow_forward(batch):
+            if any(c.request_id == "r" for c in batch.chunks):
+                prefilled.set()
+            elif prefilled.is_set() and not blocked.is_set():
+                blocked.set()
+                release.wait(timeout=20.0)
+            else:
+                time.sleep(0.01)  # "busy" decodes until r's order arrives
+            return forward(batch)
+
+        def late_deliver(outputs):
+            deliver([o for o in outputs if o.request_id != "r"])
+            held = [o for o in outputs if o.request_id == "r"]
+            if held:
+                threading.Thread(target=lambda: blocked.wait(timeout=20.0) and deliver(held)).start()
+
+        runner.forward, threaded._deliver = slow_forward, late_deliver
+        try:
+            busy = asyncio.create_task(_collect(pair.p.generate(_request("busy", max_tokens=60))))
+            assert await _until(lambda: len(pair.p.engine.scheduler.running) == 1)
+            stream = pair.decode.generate(_request("r"), address)
+            first = await asyncio.wait_for(anext(stream), timeout=5.0)
+            assert first.token_ids and blocked.is_set() and not release.is_set()
+        finally:
+            release.set()
+        assert len(first.token_ids) + sum(len(o.token_ids) for o in await _collect(stream)) == 6
+        assert sum(len(o.token_ids) for o in await busy) == 60
         assert await _until(lambda: pair.used() == (0, 0))
 
     _run(checkpoint, body)

@@ -444,5 +444,6 @@ class LLMEngine:
     def _output(self, seq: Sequence, token_ids: Seq[int], text: str, reason: str | None, logprobs=()) -> RequestOutput:
         if reason is not None and not seq.prefill_only:  # a prefill-only sequence ends on the decode worker
             self._step_stats.finish(seq.times, reason, seq.num_prompt_tokens, seq.num_output_tokens, self._clock())
+        held = tuple(self.kv.block_ids(seq.seq_id)) if seq.status is SeqStatus.HELD else ()
         return RequestOutput(seq.request.request_id, seq.index, tuple(token_ids), text, tuple(logprobs), reason,
-                             seq.num_prompt_tokens, seq.num_cached_tokens)
+                             seq.num_prompt_tokens, seq.num_cached_tokens, held_block_ids=held)

@@ -127,8 +127,15 @@ def build_threaded_engine(spec: EngineSpec) -> ThreadedEngine:
     its own count first and the engine's thread sets the engine's last."""
     threads = spec.num_threads or torch.get_num_threads()
     torch.set_num_threads(1)
-    return ThreadedEngine.built_on_loop_thread(lambda: _engine_and_info(spec, threads),
-                                               cores=core_share(spec.core_share_file, threads))
+    cores = core_share(spec.core_share_file, threads)
+
+    def build() -> tuple[LLMEngine, ModelInfo]:
+        engine, info = _engine_and_info(spec, threads)
+        if cores is not None and engine.runner.native is not None:  # its steps may grow onto idle cores
+            engine.runner.native.follow_threads(cores.follow_mid_step())
+        return engine, info
+
+    return ThreadedEngine.built_on_loop_thread(build, cores=cores)
 
 
 def core_share(path: str | None, threads: int) -> CoreShare | None:

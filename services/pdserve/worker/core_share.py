@@ -18,15 +18,24 @@ core idle (the peer's step runs on them all). The bound is above the longest ste
 peer that stopped stepping is run beside oversubscribed. A worker without work marks
 itself idle, with no threads in use.
 
+A step's threads are chosen as it starts; a peer that goes idle while a long step runs (a
+2,048-token prefill chunk on one thread) would leave its core idle until that step ends. With
+`follow_mid_step` a watcher thread looks at the table while this worker steps and, when its
+peers leave more cores than it runs on, raises the count in `threads_now` (and its threads in
+use) at once; the native forward starts each layer on that count. A step never shrinks midway:
+a peer that turns busy waits for the step's end, as it would for a step that began on them all.
+
 A slot is held by an exclusive record lock on its bytes, which the kernel drops when the process
 dies: a slot whose lock can be taken is free, whatever its bytes still say. Record locks belong to
 a process, and closing any descriptor of the file drops them all: a process holding a slot opens
 the file through its `CoreShare` alone, and holds at most one.
 """
+import array
 import fcntl
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -81,10 +90,16 @@ class CoreShare:
     which owns the OpenMP pool that `set_threads` sizes."""
 
     def __init__(self, path: str, base: int, num_cores: int, set_threads: Callable[[int], None],
-                 max_wait_s: float = 5.0, poll_s: float = 0.001) -> None:
+                 max_wait_s: float = 5.0, poll_s: float = 0.001, grow_poll_s: float = 0.005) -> None:
         self._base, self._num_cores, self._set_threads = base, num_cores, set_threads
-        self._max_wait_s, self._poll_s = max_wait_s, poll_s
+        self._max_wait_s, self._poll_s, self._grow_poll_s = max_wait_s, poll_s, grow_poll_s
         self._threads = base
+        self.threads_now = array.array("i", [base])  # what a step follows between layers
+        self._lock = threading.Lock()  # the step state below, between the engine's thread and the watcher
+        self._stepping = threading.Event()
+        self._grown = False  # threads raised mid-step: torch is told again before the next step
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(self._fd).st_size < _FILE_BYTES:
@@ -105,25 +120,44 @@ class CoreShare:
         """What the table says of `slot` (a worker's base, whether it is busy, its threads in use)."""
         return Peer(self._field(slot, _BASE), bool(self._field(slot, _BUSY)), self._field(slot, _IN_USE))
 
+    def follow_mid_step(self) -> array.array:
+        """Let a step grow onto cores its peers leave idle while it runs: start the watcher and
+        return the one-int buffer the step reads its thread count from between layers."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="core-share", daemon=True)
+            self._watcher.start()
+        return self.threads_now
+
     def before_step(self) -> None:
         """Mark this worker busy, size its threads, and wait (bounded) until they fit beside the peers'."""
+        with self._lock:
+            self._stepping.clear()
+            told, self._grown = not self._grown, False
         self._write(_BUSY, 1)
         deadline = time.monotonic() + self._max_wait_s
         while True:
             peers = self._live_peers()
             threads = threads_for(self._base, [p for p in peers if p.is_busy], self._num_cores)
-            self._use(threads)
+            self._use(threads, told)
+            told = True
             if fits(threads, self._base, peers, self._num_cores) or time.monotonic() >= deadline:
+                self._stepping.set()
                 return
             time.sleep(self._poll_s)
 
     def idle(self) -> None:
+        with self._lock:
+            self._stepping.clear()
         if self._field(self.slot, _BUSY) or self._field(self.slot, _IN_USE):
             self._write(_BUSY, 0)
             self._write(_IN_USE, 0)
 
     def close(self) -> None:
         """Give the slot back (the lock goes with the descriptor)."""
+        self._closing.set()
+        self._stepping.set()  # wakes the watcher to see it
+        if self._watcher is not None:
+            self._watcher.join(timeout=5.0)
         for field in range(_FIELDS):
             self._write(field, 0)
         self._table.release()
@@ -142,11 +176,31 @@ class CoreShare:
             return slot
         raise OSError(f"all {NUM_SLOTS} slots of the core-share table are held")
 
-    def _use(self, threads: int) -> None:
-        if threads != self._threads:
+    def _use(self, threads: int, told: bool = True) -> None:
+        """Run on `threads`; `told` False: torch may not run on `self._threads` (a mid-step raise
+        that the step ended before following), so tell it whatever the count."""
+        if threads != self._threads or not told:
             self._set_threads(threads)
             self._threads = threads
+        self.threads_now[0] = threads
         self._write(_IN_USE, threads)
+
+    def _watch(self) -> None:
+        """While a step runs on fewer threads than the cores, raise its count as soon as the
+        peers leave the cores for more (never beyond what fits beside their threads in use)."""
+        while True:
+            self._stepping.wait()
+            if self._closing.is_set():
+                return
+            with self._lock:
+                if self._stepping.is_set() and self._threads < self._num_cores:
+                    peers = self._live_peers()
+                    threads = threads_for(self._base, [p for p in peers if p.is_busy], self._num_cores)
+                    if threads > self._threads and fits(threads, self._base, peers, self._num_cores):
+                        self._threads, self._grown = threads, True
+                        self.threads_now[0] = threads
+                        self._write(_IN_USE, threads)
+            time.sleep(self._grow_poll_s)
 
     def _live_peers(self) -> list[Peer]:
         peers = []

@@ -191,3 +191,27 @@ def test_segments_of_the_wrong_shape_are_refused(native):
 def test_float32_runner_keeps_plain_matrices(checkpoints):
     model = load_runner(checkpoints["llama"], kernels="native").model
     assert not model.matrices_dropped and model.layers[0].qkv is not None
+
+
+def test_a_step_follows_the_thread_count_it_is_given_layer_by_layer(checkpoints, native):
+    """`follow_threads`: each layer starts on the count in the buffer (another thread may raise
+    it mid-step); the logits do not depend on it."""
+    import array
+    runner = load_runner(checkpoints["llama"], kernels="native")
+    step = chunk("r", prompt(40, seed=5), 0, list(range(11)), is_prompt=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        [alone] = run(runner, step)
+        count = array.array("i", [1])
+        runner.native.follow_threads(count)
+        [followed] = run(runner, step)
+        assert torch.get_num_threads() == 1
+        count[0] = 2
+        run(runner, step)
+        assert torch.get_num_threads() == 2
+        torch.testing.assert_close(followed, alone)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="one-element int32 tensor"):
+        matmul_model(native, False).follow_threads(torch.zeros(2, dtype=torch.int32))

@@ -107,6 +107,53 @@ def test_a_worker_runs_on_an_idle_peers_core_and_gives_it_back(tmp_path, peers):
     share.close()
 
 
+def until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_a_step_grows_onto_the_core_a_peer_leaves_idle_while_it_runs(tmp_path, peers):
+    path = tmp_path / "cores"
+    threads = []
+    share = CoreShare(str(path), 1, 2, threads.append, max_wait_s=5.0)
+    count = share.follow_mid_step()
+    peer = peers(path, max_wait_s=5.0)
+
+    def peer_turns_busy() -> threading.Thread:
+        """The peer's next step, which waits for the core this worker's running step holds."""
+        waited = threading.Thread(target=peer.do, args=("before_step",))
+        waited.start()
+        wait_until_busy(share, peer.slot)
+        time.sleep(0.05)
+        assert waited.is_alive()
+        return waited
+
+    share.before_step()
+    waited = peer_turns_busy()
+    share.before_step()  # both busy: one core each
+    waited.join(timeout=10)
+    assert (count[0], share.threads, threads) == (1, 1, [2, 1])
+    peer.do("idle")  # ...and now this worker's running step may take the peer's core at its next layer
+    assert until(lambda: count[0] == 2), "the running step was never given the idle core"
+    assert share.slot_state(share.slot) == Peer(1, True, 2) and threads == [2, 1]  # torch is told on the engine's thread
+    waited = peer_turns_busy()  # it waits for this step to end, as for one begun on both cores
+    share.before_step()
+    waited.join(timeout=10)
+    assert (count[0], threads) == (1, [2, 1, 1])
+    share.idle()
+    peer.do("idle")
+    time.sleep(0.05)
+    assert count[0] == 1  # no step runs: nothing grows
+    share.before_step()
+    assert (count[0], threads) == (2, [2, 1, 1, 2])
+    share.close()
+    assert not share._watcher.is_alive()
+
+
 def beside_a_borrowing_peer(path, peers) -> tuple[PeerProcess, CoreShare, list[int]]:
     """A peer that took both cores and steps no more; then this worker's first step, which waits
     0.05 s at most for the lent core and runs on its own thread."""

@@ -86,6 +86,13 @@ class NativeForward:
         self._model = module.NativeModel(
             model.embed, model.norm.weight, lm_head, layers, model.rope.inv_freq, c.num_heads,
             c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, packed)
+        self._threads: torch.Tensor | None = None  # the count a step follows, kept alive here
+
+    def follow_threads(self, count) -> None:
+        """Start each layer of a step on `count[0]` torch threads (a writable buffer of one int32
+        that another thread may raise mid-step; `worker/core_share.py`)."""
+        self._threads = torch.frombuffer(count, dtype=torch.int32)
+        self._model.follow_threads(self._threads)
 
     def forward(self, batch: ForwardBatch, kv: PagedKvCache, logit_rows: list[int]) -> torch.Tensor:
         """float32 logits (len(logit_rows), vocab) of the step's flattened rows `logit_rows`."""

@@ -58,6 +58,15 @@ class NativeModel {
     return run<float>(token_ids, segments, tables, logit_rows, kv);
   }
 
+  // A one-element int32 tensor that another thread may change while a step runs: each layer
+  // (and the LM head) starts on that many torch threads (a worker borrowing a core its peer left
+  // idle mid-step, `worker/core_share.py`). Without one, a step keeps the caller's count.
+  void follow_threads(const at::Tensor& source) {
+    TORCH_CHECK(source.scalar_type() == at::kInt && source.numel() == 1 && source.is_contiguous(),
+                "the thread count to follow is a one-element int32 tensor");
+    threads_ = source;
+  }
+
   // x (M, K) . w (N, K)^T + bias + residual, through the same dispatch the layers use.
   at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                     const c10::optional<at::Tensor>& residual) const {
@@ -78,9 +87,12 @@ class NativeModel {
     at::Tensor cos_full = at::cat({cos, cos}, -1).to(embed_.scalar_type()).contiguous();
     at::Tensor signed_sin = at::cat({-sin, sin}, -1).to(embed_.scalar_type()).contiguous();
     at::Tensor h = embed_.index_select(0, token_ids);  // (T, H)
-    for (int64_t i = 0; i < num_layers; ++i)
+    for (int64_t i = 0; i < num_layers; ++i) {
+      follow_thread_count();
       h = layer<T>(layers_[i], i, h, cos_full, signed_sin, token_rows, segments, tables, kv);
+    }
     if (logit_rows.size(0) == 0) return at::empty({0, lm_head_.size(0)}, at::kFloat);
+    follow_thread_count();
     at::Tensor last = norm<T>(h.index_select(0, logit_rows), final_norm_);
     return linear_(last, lm_head_, at::Tensor(), at::Tensor()).to(at::kFloat);
   }
@@ -151,6 +163,12 @@ class NativeModel {
     return residual.defined() ? residual + y : y;
   }
 
+  void follow_thread_count() const {
+    if (!threads_.defined()) return;
+    const int want = __atomic_load_n(data<int32_t>(threads_), __ATOMIC_RELAXED);
+    if (want > 0 && want != at::get_num_threads()) at::set_num_threads(want);
+  }
+
   static void fill_rows(const at::Tensor& segments, const at::Tensor& tables, int64_t num_layers, int64_t tpb,
                         int64_t* positions, int64_t* token_rows) {
     const Segment* segs = reinterpret_cast<const Segment*>(segments.data_ptr());
@@ -165,6 +183,7 @@ class NativeModel {
   }
 
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
+  at::Tensor threads_;  // undefined: no thread count to follow
   std::vector<Layer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
@@ -199,5 +218,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, std::vector<std::vector<c10::optional<at::Tensor>>>,
                           at::Tensor, int64_t, int64_t, int64_t, double, int64_t, bool>())
       .def("forward", &pdserve::NativeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("follow_threads", &pdserve::NativeModel::follow_threads)
       .def("linear", &pdserve::NativeModel::linear, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

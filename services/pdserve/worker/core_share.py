@@ -132,14 +132,14 @@ class CoreShare:
         """Mark this worker busy, size its threads, and wait (bounded) until they fit beside the peers'."""
         with self._lock:
             self._stepping.clear()
-            told, self._grown = not self._grown, False
+            if self._grown:  # the step may have ended before following the raise: tell torch again
+                self._threads, self._grown = 0, False
         self._write(_BUSY, 1)
         deadline = time.monotonic() + self._max_wait_s
         while True:
             peers = self._live_peers()
             threads = threads_for(self._base, [p for p in peers if p.is_busy], self._num_cores)
-            self._use(threads, told)
-            told = True
+            self._use(threads)
             if fits(threads, self._base, peers, self._num_cores) or time.monotonic() >= deadline:
                 self._stepping.set()
                 return
@@ -176,10 +176,8 @@ class CoreShare:
             return slot
         raise OSError(f"all {NUM_SLOTS} slots of the core-share table are held")
 
-    def _use(self, threads: int, told: bool = True) -> None:
-        """Run on `threads`; `told` False: torch may not run on `self._threads` (a mid-step raise
-        that the step ended before following), so tell it whatever the count."""
-        if threads != self._threads or not told:
+    def _use(self, threads: int) -> None:
+        if threads != self._threads:
             self._set_threads(threads)
             self._threads = threads
         self.threads_now[0] = threads

@@ -292,7 +292,7 @@ class RouterSettings:
                                     help="kv_aware: 0 picks the lowest cost; > 0 samples a softmax over costs")
     prefill_load_scale: float = opt(1.0, parse=cv.parse_float,
                                     help="weight of prefill work (queued and this prompt's) against held blocks")
-    local_prefill_queue_tokens: int = opt(1024, parse=cv.parse_int,
+    local_prefill_queue_tokens: int = opt(2048, parse=cv.parse_int,
                                           help="a decode worker computes a prompt itself while the prefill worker "
                                                "has at least this many prompt tokens queued and it has at most this "
                                                "many, the prompt's included (conditional disaggregation); 0: never")

@@ -37,7 +37,7 @@ class RoutingConfig:
     temperature: float = 0.0
     weights: CostWeights = CostWeights()
     session_ttl_s: float = 600.0
-    local_prefill_queue_tokens: int = 1024  # 0: a decode worker never prefills for a queue
+    local_prefill_queue_tokens: int = 2048  # 0: a decode worker never prefills for a queue
 
 
 @dataclass(frozen=True, slots=True)

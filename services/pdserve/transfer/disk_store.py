@@ -6,7 +6,6 @@ import torch
 
 from pdserve.common.ids import BlockHash
 from pdserve.transfer.kv_files import HEADER_BYTES, BlockFiles, BlockRecord, checksum
-from pdserve.transfer.nixl_files import NixlFileIO
 
 
 class DiskKvStore:
@@ -16,6 +15,7 @@ class DiskKvStore:
         self.files = files
         self._host_slots = host_slots
         self._staging = torch.empty_like(host_slots[0])
+        from pdserve.transfer.nixl_files import NixlFileIO  # NIXL is loaded only by a worker with a disk tier
         self._io = NixlFileIO(f"{name}-disk", [host_slots, self._staging])
 
     def spill(self, slot: int, block_hash: BlockHash, parent: BlockHash | None, priority: int) -> None:

@@ -4,9 +4,10 @@ The step loop runs in one dedicated thread (torch releases the GIL in its kernel
 gRPC event loop stays responsive). Requests, aborts and calls reach it through one inbox of
 typed commands, handled in order between steps (a decode worker's admission decides local or
 remote prefill and reserves in one of them); outputs go back to each request's asyncio queue
-with `call_soon_threadsafe`. The loop also wakes when idle
-(`idle_wait_s`), so periodic duties run every step even when no work arrives. Before each step
-it sizes its torch threads by the cores its idle peers leave (`core_share.py`; fixed without one).
+with `call_soon_threadsafe`. The loop also wakes when idle (`idle_wait_s`), so periodic duties
+run every step even when no work arrives. Before each step it sizes its torch threads by the
+cores its idle peers leave (`core_share.py`; fixed without one), taking commands while it
+waits for a peer to give a core back.
 
 A worker builds its engine on the loop's own thread (`ThreadedEngine.built_on_loop_thread`):
 OpenMP keeps one pool of threads per thread that opens parallel regions, and with a second
@@ -25,13 +26,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
-from pdserve.worker.core_share import CoreShare, FixedThreads
 from pdserve.engine.core.request_stats import StepStats
-from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
+from pdserve.worker.core_share import CoreShare, FixedThreads
 from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent, Tier
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,7 @@ class ThreadedEngine:
         self._thread = _on_thread or threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     @classmethod
-    def built_on_loop_thread(cls, build: Callable[[], tuple[LLMEngine, ModelInfo]],
-                             **options) -> "ThreadedEngine":
+    def built_on_loop_thread(cls, build: Callable[[], tuple[LLMEngine, ModelInfo]], **options) -> "ThreadedEngine":
         """`build()` runs on a new thread, which then runs the steps once `start` is called; returns
         when it is built, raising what `build` raised. Every torch thread pool of the engine
         belongs to that one thread (see the module's docstring). `options`: the constructor's."""
@@ -188,8 +188,7 @@ class ThreadedEngine:
         return self._stats
 
     def queues(self) -> QueueView:
-        """As of the last loop turn."""
-        return self._queues
+        return self._queues  # as of the last loop turn
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
                        prefill_only: bool = False, hold_lease_s: float = 30.0) -> AsyncIterator[RequestOutput]:
@@ -280,8 +279,9 @@ class ThreadedEngine:
         while not self._stop.is_set():
             self._drain_inbox()
             if self._engine.has_work:
-                self._cores.before_step()
-                self._step()
+                self._cores.before_step(self._drain_inbox)
+                if self._engine.has_work:  # the commands taken meanwhile may have ended it all
+                    self._step()
             self._deliver(self._engine.reap_expired_leases())
             self._publish_kv_events()
             self._publish_step_stats()

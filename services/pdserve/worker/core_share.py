@@ -23,7 +23,9 @@ A step's threads are chosen as it starts; a peer that goes idle while a long ste
 `follow_mid_step` a watcher thread looks at the table while this worker steps and, when its
 peers leave more cores than it runs on, raises the count in `threads_now` (and its threads in
 use) at once; the native forward starts each layer on that count. A step never shrinks midway:
-a peer that turns busy waits for the step's end, as it would for a step that began on them all.
+a peer that turns busy waits for the step's end, as it would for a step that began on them all,
+and runs its caller's `while_waiting` between polls (its engine thread's commands: a decode
+worker's remote first tokens go out then, not after the peer's step).
 
 A slot is held by an exclusive record lock on its bytes, which the kernel drops when the process
 dies: a slot whose lock can be taken is free, whatever its bytes still say. Record locks belong to
@@ -75,7 +77,7 @@ def fits(threads: int, base: int, peers: Sequence[Peer], num_cores: int) -> bool
 class FixedThreads:
     """No sharing: the engine keeps the threads it was built with (the null `CoreShare`)."""
 
-    def before_step(self) -> None:
+    def before_step(self, while_waiting: Callable[[], None] = lambda: None) -> None:
         pass
 
     def idle(self) -> None:
@@ -128,8 +130,10 @@ class CoreShare:
             self._watcher.start()
         return self.threads_now
 
-    def before_step(self) -> None:
-        """Mark this worker busy, size its threads, and wait (bounded) until they fit beside the peers'."""
+    def before_step(self, while_waiting: Callable[[], None] = lambda: None) -> None:
+        """Mark this worker busy, size its threads, and wait (bounded) until they fit beside the peers';
+        `while_waiting` runs between polls, so work that needs no forward (a remote prefill's first
+        token, an abort) is not held up for the peer's step."""
         with self._lock:
             self._stepping.clear()
             if self._grown:  # the step may have ended before following the raise: tell torch again
@@ -143,6 +147,7 @@ class CoreShare:
             if fits(threads, self._base, peers, self._num_cores) or time.monotonic() >= deadline:
                 self._stepping.set()
                 return
+            while_waiting()
             time.sleep(self._poll_s)
 
     def idle(self) -> None:

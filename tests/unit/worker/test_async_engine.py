@@ -1,6 +1,7 @@
 """ThreadedEngine: the engine thread behind the worker's asyncio service."""
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -171,7 +172,7 @@ class RecordingCores:
     def __init__(self):
         self.calls = []
 
-    def before_step(self):
+    def before_step(self, while_waiting=lambda: None):
         self.calls.append(("before_step", threading.current_thread().name))
 
     def idle(self):
@@ -188,3 +189,42 @@ def test_the_loop_asks_its_core_share_before_each_step_and_when_idle():
     assert kinds.count("before_step") >= len(reference([5, 6, 7], 8))  # a step per token
     assert kinds[-2:] == ["idle", "close"]  # idle once the work is done; the slot given back at stop
     assert {thread for _, thread in cores.calls} == {"engine-loop"}
+
+
+class HeldCores(RecordingCores):
+    """A peer holds the cores: each step waits until `released` is set, running `while_waiting`
+    between polls as CoreShare does."""
+
+    def __init__(self):
+        super().__init__()
+        self.released, self.waiting = threading.Event(), threading.Event()
+
+    def before_step(self, while_waiting=lambda: None):
+        super().before_step(while_waiting)
+        while not self.released.is_set():
+            self.waiting.set()
+            while_waiting()
+            time.sleep(0.001)
+
+
+def test_commands_are_taken_while_a_step_waits_for_a_core():
+    """A decode worker's remote first tokens, aborts and calls do not wait out a peer's step."""
+    cores = HeldCores()
+    threaded = ThreadedEngine.built_on_loop_thread(lambda: (make_engine(), INFO), cores=cores)
+    threaded.start()
+
+    async def main():
+        generation = asyncio.ensure_future(_collect(threaded, request("r", [5, 6, 7])))
+        assert await asyncio.to_thread(cores.waiting.wait, 10)
+        ran_on = await threaded.call(lambda: threading.current_thread().name, timeout_s=5)
+        assert not generation.done()  # the step itself still waits
+        cores.released.set()
+        return ran_on, await generation
+
+    try:
+        ran_on, (tokens, _) = asyncio.run(main())
+    finally:
+        cores.released.set()
+        threaded.stop()
+    assert ran_on == "engine-loop"
+    assert tokens == reference([5, 6, 7], 8)

@@ -168,8 +168,18 @@ def beside_a_borrowing_peer(path, peers) -> tuple[PeerProcess, CoreShare, list[i
 
 def test_a_wait_for_a_peer_that_does_not_give_back_is_bounded(tmp_path, peers):
     _, share, _ = beside_a_borrowing_peer(tmp_path / "cores", peers)
-    share.before_step()  # again: the wait is bounded every step
+    polls = []
+    share.before_step(lambda: polls.append(threading.current_thread()))  # again: bounded every step
     assert share.threads == 1
+    assert polls and set(polls) == {threading.current_thread()}  # the caller's work ran while it waited
+    share.close()
+
+
+def test_a_step_that_fits_at_once_runs_nothing_while_waiting(tmp_path, peers):
+    share = CoreShare(str(tmp_path / "cores"), 1, 2, lambda n: None, max_wait_s=5.0)
+    peers(tmp_path / "cores")  # idle
+    share.before_step(lambda: pytest.fail("waited though both cores were free"))
+    assert share.threads == 2
     share.close()
 
 

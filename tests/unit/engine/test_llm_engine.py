@@ -72,6 +72,36 @@ def test_second_request_reuses_the_cached_prefix():
     assert engine.kv.num_hit_tokens == 20
 
 
+def test_a_burst_sharing_an_uncached_prefix_computes_it_once():
+    """Prompts that arrive together sharing a prefix no step has computed: the first computes it,
+    the others wait one step and find it cached (instead of each computing it in the same step)."""
+    engine = make_engine()
+    shared = list(range(20))  # 5 full blocks
+    prompts = [shared + [60 + i, 70 + i] for i in range(3)]
+    outputs, _ = run(engine, [request(f"s{i}", p) for i, p in enumerate(prompts)])
+    assert outputs == {(f"s{i}", 0): reference(p, 8) for i, p in enumerate(prompts)}
+    assert engine.runner.num_forward_tokens == 22 + 2 + 2 + 3 * 7
+    assert engine.kv.num_hit_tokens == 2 * 20
+
+
+def test_a_prompt_waits_for_the_shared_blocks_a_running_chunk_computes():
+    engine = make_engine(budget=8)
+    shared = list(range(20))
+    outputs, _ = run(engine, [request("a", shared + [1, 2]), request("b", shared + [3, 4])])
+    assert engine.runner.num_forward_tokens == 22 + 2 + 2 * 7  # b computes only its own 2 tokens
+    assert outputs == {("a", 0): reference(shared + [1, 2], 8), ("b", 0): reference(shared + [3, 4], 8)}
+
+
+def test_only_a_prompt_sharing_an_uncached_block_waits():
+    engine = make_engine()
+    for i, p in enumerate([list(range(20)), list(range(30, 50)), list(range(20)) + [9]]):
+        engine.add_request(request(f"u{i}", p))
+    engine.step()  # u1 shares nothing and starts beside u0; u2 shares u0's blocks
+    assert [s.seq_id for s in engine.scheduler.running] == ["u0", "u1"]
+    engine.step()
+    assert [(s.seq_id, s.num_cached_tokens) for s in engine.scheduler.running][-1] == ("u2", 20)
+
+
 def test_chunks_in_the_prompt_are_marked_as_prompt_however_short():
     """The model computes prompt tokens one way (a tile) and decode tokens another; a prompt whose
     every block but its last token is cached still goes as a prompt."""

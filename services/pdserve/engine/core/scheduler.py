@@ -5,13 +5,17 @@ each taking what the budget allows; when blocks run out the latest arrival is pr
 blocks freed, recomputed later from the prefix cache), so no request is dropped for lack of
 memory. Then waiting sequences are admitted while the budget, `max_num_seqs` and the blocks
 allow, all through one two-phase claim (`add_sequence_batch`). A prefix hit in a lower tier is not free:
-its copy back costs a share of the token budget (`copy_cost_tokens`).
+its copy back costs a share of the token budget (`copy_cost_tokens`). A prompt whose next
+uncached block is one this step computes for another prompt (a burst sharing a prefix not yet
+cached) waits for the next step and finds it cached there, rather than computing it again
+(SGLang's in-batch prefix check); admission stops at it, so arrival order holds.
 """
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass
 
 from pdserve.common.errors import OutOfBlocksError
+from pdserve.common.ids import BlockHash
 from pdserve.engine.core.sequence import Sequence, SeqStatus
 from pdserve.kvcache import KvCacheManager, Tier
 
@@ -87,7 +91,7 @@ class Scheduler:
             if n > 0 and self._make_room(seq, n):
                 chunks.append(ScheduledChunk(seq, n))
                 budget -= n
-        return chunks + self._admit(budget)
+        return chunks + self._admit(budget, chunks)
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Reserve blocks for `seq`'s next chunk, preempting the latest arrivals as needed.
@@ -114,16 +118,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _admit(self, budget: int) -> list[ScheduledChunk]:
+    def _admit(self, budget: int, running: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Admit waiting sequences in order while they fit, all in one two-phase claim."""
         tpb = self.kv.tokens_per_block
         batch: list[tuple[Sequence, int]] = []
         requests = []
         blocks_left = self.kv.num_free_blocks
+        computing: set[BlockHash] | None = None  # the full prompt blocks this step computes
         while self.waiting and budget > 0 and len(self.running) + len(batch) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            analysis = self.kv.analyze_prefix_reuse(seq.cache_request())
+            cache_request = seq.cache_request()
+            analysis = self.kv.analyze_prefix_reuse(cache_request)
             cached = analysis.num_cached_tokens
+            if self.kv.config.enable_block_reuse and cache_request.reuse_cached_prefix:
+                computing = computing if computing is not None else _blocks_computed(running, tpb)
+                hashes = cache_request.block_hashes(tpb)
+                first = analysis.num_cached_blocks
+                if first < (len(seq.token_ids) - 1) // tpb and hashes[first] in computing:
+                    break  # the next step finds that block cached
             copy_cost = copy_cost_tokens(analysis.num_cached_by_tier, tpb)
             if batch and copy_cost >= budget:
                 break  # its copies would take the rest of this step; the next step starts with it
@@ -137,6 +149,8 @@ class Scheduler:
             budget = max(budget - n - copy_cost, 0)
             batch.append((seq, n))
             requests.append(seq.cache_request(num_claim_tokens=cached + n))
+            if computing is not None:
+                computing.update(cache_request.block_hashes(tpb)[analysis.num_cached_blocks:(cached + n) // tpb])
         if not batch:
             return []
         claims = self.kv.add_sequence_batch(requests)
@@ -147,3 +161,15 @@ class Scheduler:
             insort(self.running, seq, key=lambda s: s.arrival)
             scheduled.append(ScheduledChunk(seq, min(n, seq.num_uncomputed)))
         return scheduled
+
+
+def _blocks_computed(chunks: list[ScheduledChunk], tokens_per_block: int) -> set[BlockHash]:
+    """The full prompt blocks that running sequences' prefill chunks compute this step."""
+    blocks: set[BlockHash] = set()
+    for chunk in chunks:
+        seq = chunk.seq
+        begin = seq.num_computed_tokens // tokens_per_block
+        end = (seq.num_computed_tokens + chunk.num_tokens) // tokens_per_block
+        if seq.is_prefilling and end > begin:
+            blocks.update(seq.cache_request().block_hashes(tokens_per_block)[begin:end])
+    return blocks

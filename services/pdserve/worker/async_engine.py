@@ -6,8 +6,9 @@ typed commands, handled in order between steps (a decode worker's admission deci
 remote prefill and reserves in one of them); outputs go back to each request's asyncio queue
 with `call_soon_threadsafe`. The loop also wakes when idle (`idle_wait_s`), so periodic duties
 run every step even when no work arrives. Before each step it sizes its torch threads by the
-cores its idle peers leave (`core_share.py`; fixed without one), taking commands while it
-waits for a peer to give a core back.
+cores its idle peers leave (`core_share.py`; fixed without one); while it waits for a peer to
+give a core back it takes calls and aborts (a remote prefill's first token goes out), in order
+up to the first admission: admissions wait for the step, as they always did.
 
 A worker builds its engine on the loop's own thread (`ThreadedEngine.built_on_loop_thread`):
 OpenMP keeps one pool of threads per thread that opens parallel regions, and with a second
@@ -19,11 +20,11 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
@@ -33,6 +34,7 @@ from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, Mode
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.request_stats import StepStats
 from pdserve.worker.core_share import CoreShare, FixedThreads
+from pdserve.worker.engine_inbox import Abort, Admit, AdmitForDecode, Call, Command, Inbox, Stream
 from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent, Tier
 
 log = logging.getLogger(__name__)
@@ -48,55 +50,6 @@ class QueueView:
     num_awaiting_kv: int = 0
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-    num_completions: int
-    num_finished: int = 0
-
-
-# ---- what the event loop sends the engine thread (one inbox, handled in order between steps) ----
-
-@dataclass(frozen=True, slots=True)
-class _Admit:
-    """Queue a request; `admitted` gets None, or the typed error that refused it."""
-    request: GenerationRequest
-    stream: _Stream
-    admitted: asyncio.Future
-    prefill_only: bool
-    hold_lease_s: float
-    arrival_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class _AdmitForDecode:
-    """Decode side, in one hop: reserve blocks for a remote prefill, or queue the request here.
-    `verdict` gets a DecodeVerdict, or the typed error that refused the request."""
-    request: GenerationRequest
-    stream: _Stream
-    verdict: asyncio.Future
-    remote_possible: bool
-    min_remote_tokens: int
-    lease_s: float
-    arrival_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: RequestId
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """Run `fn(*args)` between steps; `done` gets its value or exception. RequestOutputs in a
-    returned list are delivered to their streams."""
-    fn: Callable
-    args: tuple
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +71,8 @@ class ThreadedEngine:
         self._info = info
         self._idle_wait_s = idle_wait_s
         self._admit_timeout_s = admit_timeout_s
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[RequestId, _Stream] = {}
+        self._inbox = Inbox()
+        self._streams: dict[RequestId, Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stats = self._snapshot()
@@ -195,9 +148,9 @@ class ThreadedEngine:
         """Admit and stream the request. `prefill_worker` is ignored here (aggregated serving);
         `prefill_only` stops after the first token and holds the blocks (see LLMEngine)."""
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
+        stream = Stream(loop, asyncio.Queue(), request.sampling.n)
         admitted = loop.create_future()
-        self._send(_Admit(request, stream, admitted, prefill_only, hold_lease_s, time.monotonic()))
+        self._send(Admit(request, stream, admitted, prefill_only, hold_lease_s, time.monotonic()))
         await self._until_admitted(request.request_id, admitted)
         async for output in self.outputs(request, stream.outputs):
             yield output
@@ -209,9 +162,9 @@ class ThreadedEngine:
         and blocks are free; else the request is queued for a local prefill. The queue gets
         the request's outputs either way (read it with `outputs`)."""
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
+        stream = Stream(loop, asyncio.Queue(), request.sampling.n)
         verdict = loop.create_future()
-        self._send(_AdmitForDecode(request, stream, verdict, remote_possible, min_remote_tokens, lease_s,
+        self._send(AdmitForDecode(request, stream, verdict, remote_possible, min_remote_tokens, lease_s,
                                    time.monotonic()))
         return await self._until_admitted(request.request_id, verdict), stream.outputs
 
@@ -245,7 +198,7 @@ class ThreadedEngine:
             raise WorkerTimeoutError(f"request {request_id!r} not admitted within {self._admit_timeout_s}s")
 
     async def abort(self, request_id: RequestId) -> None:
-        self._send(_Abort(request_id))
+        self._send(Abort(request_id))
 
     async def call(self, fn: Callable[..., T], *args, timeout_s: float | None = None) -> T:
         """Run `fn(*args)` on the engine thread between steps; its result or exception comes back here.
@@ -254,7 +207,7 @@ class ThreadedEngine:
         """
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._send(_Call(fn, args, loop, done))
+        self._send(Call(fn, args, loop, done))
         return await asyncio.wait_for(done, timeout_s or self._admit_timeout_s)
 
     async def check_integrity(self) -> KvIntegrity:
@@ -271,7 +224,7 @@ class ThreadedEngine:
 
     # ---- the engine thread -------------------------------------------------------------------
 
-    def _send(self, command: _Admit | _AdmitForDecode | _Abort | _Call) -> None:
+    def _send(self, command: Command) -> None:
         self._inbox.put(command)
         self._wake.set()
 
@@ -279,7 +232,7 @@ class ThreadedEngine:
         while not self._stop.is_set():
             self._drain_inbox()
             if self._engine.has_work:
-                self._cores.before_step(self._drain_inbox)
+                self._cores.before_step(partial(self._drain_inbox, until_admission=True))
                 if self._engine.has_work:  # the commands taken meanwhile may have ended it all
                     self._step()
             self._deliver(self._engine.reap_expired_leases())
@@ -293,24 +246,20 @@ class ThreadedEngine:
                 self._wake.clear()
         self._cores.close()
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+    def _drain_inbox(self, until_admission: bool = False) -> None:
+        while (command := self._inbox.take(until_admission)) is not None:
             match command:
-                case _Admit():
+                case Admit():
                     self._admit(command)
-                case _AdmitForDecode():
+                case AdmitForDecode():
                     self._admit_for_decode(command)
-                case _Call():
+                case Call():
                     self._run_call(command)
-                case _Abort(request_id):
+                case Abort(request_id):
                     self._deliver(self._engine.abort(request_id))
                     self._streams.pop(request_id, None)
 
-    def _admit(self, command: _Admit) -> None:
+    def _admit(self, command: Admit) -> None:
         try:
             self._engine.add_request(command.request, command.prefill_only, command.hold_lease_s, command.arrival_s)
         except Exception as exc:  # a typed error for the caller, raised in its own loop
@@ -319,7 +268,7 @@ class ThreadedEngine:
         self._streams[command.request.request_id] = command.stream
         command.stream.loop.call_soon_threadsafe(_set_value, command.admitted, None)
 
-    def _admit_for_decode(self, command: _AdmitForDecode) -> None:
+    def _admit_for_decode(self, command: AdmitForDecode) -> None:
         request, engine = command.request, self._engine
         try:
             verdict = DecodeVerdict(None, "no_prefill_worker")
@@ -342,7 +291,7 @@ class ThreadedEngine:
         self._streams[request.request_id] = command.stream
         command.stream.loop.call_soon_threadsafe(_set_value, command.verdict, verdict)
 
-    def _run_call(self, command: _Call) -> None:
+    def _run_call(self, command: Call) -> None:
         try:
             result = command.fn(*command.args)
         except Exception as exc:

@@ -228,3 +228,27 @@ def test_commands_are_taken_while_a_step_waits_for_a_core():
         threaded.stop()
     assert ran_on == "engine-loop"
     assert tokens == reference([5, 6, 7], 8)
+
+
+def test_an_admission_while_a_step_waits_for_a_core_waits_for_the_step_and_keeps_order():
+    cores = HeldCores()
+    threaded = ThreadedEngine.built_on_loop_thread(lambda: (make_engine(), INFO), cores=cores)
+    threaded.start()
+
+    async def main():
+        first = asyncio.ensure_future(_collect(threaded, request("r", [5, 6, 7])))
+        assert await asyncio.to_thread(cores.waiting.wait, 10)
+        second = asyncio.ensure_future(_collect(threaded, request("q", [8, 9])))
+        await asyncio.sleep(0.05)
+        behind = asyncio.ensure_future(threaded.call(lambda: "after q's admission", timeout_s=10))
+        await asyncio.sleep(0.1)
+        assert not behind.done()  # commands keep their order: this one follows q's admission
+        cores.released.set()
+        return await first, await second, await behind
+
+    try:
+        (tokens_r, _), (tokens_q, _), said = asyncio.run(main())
+    finally:
+        cores.released.set()
+        threaded.stop()
+    assert (tokens_r, tokens_q, said) == (reference([5, 6, 7], 8), reference([8, 9], 8), "after q's admission")

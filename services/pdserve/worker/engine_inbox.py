@@ -1,0 +1,89 @@
+"""The engine thread's inbox: what the event loops send it, taken in order between steps.
+
+While a step waits for a core a peer still uses (`core_share.py`), the thread takes calls and
+aborts but stops at the first admission, which it holds and takes first after the step:
+commands keep their order, and requests admitted meanwhile join the step they always did.
+"""
+import asyncio
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.common.ids import RequestId
+from pdserve.common.request import GenerationRequest
+
+
+@dataclass(slots=True)
+class Stream:
+    """Where a request's outputs go: a queue on its caller's event loop."""
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    num_completions: int
+    num_finished: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Queue a request; `admitted` gets None, or the typed error that refused it."""
+    request: GenerationRequest
+    stream: Stream
+    admitted: asyncio.Future
+    prefill_only: bool
+    hold_lease_s: float
+    arrival_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitForDecode:
+    """Decode side, in one hop: reserve blocks for a remote prefill, or queue the request here.
+    `verdict` gets a DecodeVerdict, or the typed error that refused the request."""
+    request: GenerationRequest
+    stream: Stream
+    verdict: asyncio.Future
+    remote_possible: bool
+    min_remote_tokens: int
+    lease_s: float
+    arrival_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run `fn(*args)` between steps; `done` gets its value or exception. RequestOutputs in a
+    returned list are delivered to their streams."""
+    fn: Callable
+    args: tuple
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+Command = Admit | AdmitForDecode | Abort | Call
+
+
+class Inbox:
+    """Written from any thread, read by the engine thread alone."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: Admit | AdmitForDecode | None = None  # taken out, handed out first next time
+
+    def put(self, command: Command) -> None:
+        self._queue.put(command)
+
+    def take(self, until_admission: bool = False) -> Command | None:
+        """The next command; None when there is none, or (`until_admission`) when it is an admission."""
+        if self._held is not None:
+            command, self._held = self._held, None
+        else:
+            try:
+                command = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+        if until_admission and isinstance(command, (Admit, AdmitForDecode)):
+            self._held = command
+            return None
+        return command

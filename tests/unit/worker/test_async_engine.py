@@ -207,13 +207,21 @@ class HeldCores(RecordingCores):
             time.sleep(0.001)
 
 
-def test_commands_are_taken_while_a_step_waits_for_a_core():
-    """A decode worker's remote first tokens, aborts and calls do not wait out a peer's step."""
+def _with_cores_held(scenario):
+    """Run `scenario(threaded, cores)` on an engine whose steps wait for `cores.released`."""
     cores = HeldCores()
     threaded = ThreadedEngine.built_on_loop_thread(lambda: (make_engine(), INFO), cores=cores)
     threaded.start()
+    try:
+        return asyncio.run(scenario(threaded, cores))
+    finally:
+        cores.released.set()
+        threaded.stop()
 
-    async def main():
+
+def test_commands_are_taken_while_a_step_waits_for_a_core():
+    """A decode worker's remote first tokens, aborts and calls do not wait out a peer's step."""
+    async def scenario(threaded, cores):
         generation = asyncio.ensure_future(_collect(threaded, request("r", [5, 6, 7])))
         assert await asyncio.to_thread(cores.waiting.wait, 10)
         ran_on = await threaded.call(lambda: threading.current_thread().name, timeout_s=5)
@@ -221,21 +229,13 @@ def test_commands_are_taken_while_a_step_waits_for_a_core():
         cores.released.set()
         return ran_on, await generation
 
-    try:
-        ran_on, (tokens, _) = asyncio.run(main())
-    finally:
-        cores.released.set()
-        threaded.stop()
+    ran_on, (tokens, _) = _with_cores_held(scenario)
     assert ran_on == "engine-loop"
     assert tokens == reference([5, 6, 7], 8)
 
 
 def test_an_admission_while_a_step_waits_for_a_core_waits_for_the_step_and_keeps_order():
-    cores = HeldCores()
-    threaded = ThreadedEngine.built_on_loop_thread(lambda: (make_engine(), INFO), cores=cores)
-    threaded.start()
-
-    async def main():
+    async def scenario(threaded, cores):
         first = asyncio.ensure_future(_collect(threaded, request("r", [5, 6, 7])))
         assert await asyncio.to_thread(cores.waiting.wait, 10)
         second = asyncio.ensure_future(_collect(threaded, request("q", [8, 9])))
@@ -246,9 +246,5 @@ def test_an_admission_while_a_step_waits_for_a_core_waits_for_the_step_and_keeps
         cores.released.set()
         return await first, await second, await behind
 
-    try:
-        (tokens_r, _), (tokens_q, _), said = asyncio.run(main())
-    finally:
-        cores.released.set()
-        threaded.stop()
+    (tokens_r, _), (tokens_q, _), said = _with_cores_held(scenario)
     assert (tokens_r, tokens_q, said) == (reference([5, 6, 7], 8), reference([8, 9], 8), "after q's admission")

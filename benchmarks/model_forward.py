@@ -8,7 +8,8 @@ JSON object (and writes it to `--json PATH` when given, as `run_all.py` asks).
 
     .venv/bin/python benchmarks/model_forward.py --seqs 64 --prompt-len 128 --decode-steps 128
 
-KV blocks hold 64 tokens, as a worker on a CPU stores them (`--tokens-per-block` changes it).
+KV blocks hold 64 tokens, as a worker on a CPU stores them (`--tokens-per-block` changes it),
+and the C heap keeps freed memory between steps, as a worker sets it (`pdserve/worker/cpu/heap.py`).
 """
 import argparse
 import json
@@ -22,6 +23,7 @@ from pdserve.engine.model.decoder import CausalLM
 from pdserve.engine.model.kv_tensor import PagedKvCache, allocate_kv_tensor
 from pdserve.engine.model.native_forward import KERNEL_CHOICES, build_native
 from pdserve.engine.model.runner import ModelRunner
+from pdserve.worker.cpu.heap import keep_step_memory
 from pdserve.worker.memory_budget import num_parameters
 
 
@@ -112,6 +114,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     runner = random_runner(args)
+    heap = keep_step_memory()  # as a worker does once its model is loaded
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, args.vocab, (args.seqs, args.prompt_len), generator=generator).tolist()
     tables = block_tables(args)
@@ -126,7 +129,7 @@ def main() -> None:
             "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(),
             "kernels": "native" if runner.native is not None else "torch",
             "seqs": args.seqs, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
-            "tokens_per_block": args.tokens_per_block, "prefill_budget": args.prefill_budget,
+            "tokens_per_block": args.tokens_per_block, "prefill_budget": args.prefill_budget, "c_heap": heap,
         },
         "prefill_tokens_per_s": round(args.seqs * args.prompt_len / prefill_s, 1),
         "decode_tokens_per_s": round(args.seqs * args.decode_steps / sum(step_s), 1),

@@ -33,7 +33,7 @@ from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.request_stats import StepStats
-from pdserve.worker.core_share import CoreShare, FixedThreads
+from pdserve.worker.cpu.core_share import CoreShare, FixedThreads
 from pdserve.worker.engine_inbox import Abort, Admit, AdmitForDecode, Call, Command, Inbox, Stream
 from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent, Tier
 

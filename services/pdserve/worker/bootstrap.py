@@ -27,7 +27,8 @@ from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device, resolve_dtype
 from pdserve.kvcache import HASH_ALGORITHM, KvCacheConfig, KvCacheManager
 from pdserve.worker.async_engine import ThreadedEngine
-from pdserve.worker.core_share import CoreShare
+from pdserve.worker.cpu.core_share import CoreShare
+from pdserve.worker.cpu.heap import keep_step_memory
 from pdserve.worker.kv.tiers import KvTierStore, adopt_disk_blocks
 from pdserve.worker.memory_budget import StepShape, cpu_kv_budget, gpu_kv_budget, non_kv_bytes
 
@@ -155,7 +156,8 @@ def _engine_and_info(spec: EngineSpec, threads: int) -> tuple[LLMEngine, ModelIn
     torch.set_num_threads(threads)
     engine = build_llm_engine(spec)
     if engine.runner.device.type == "cpu":
-        log.info("CPU: %s", cpu_summary(engine, apply_worker_runtime_defaults()))
+        heap = keep_step_memory()  # after loading: the loader's garbage has been given back
+        log.info("CPU: %s; %s", cpu_summary(engine, apply_worker_runtime_defaults()), heap)
     info = ModelInfo(
         model_name=spec.served_model_name, max_model_len=spec.scheduler.max_model_len,
         tokens_per_block=spec.kv.tokens_per_block, block_hash_algorithm=HASH_ALGORITHM, role=spec.role,

@@ -11,11 +11,11 @@ import pytest
 
 from pdserve.common.errors import ConfigError
 from pdserve.worker.bootstrap import core_share
-from pdserve.worker.core_share import CoreShare, Peer, fits, threads_for
+from pdserve.worker.cpu.core_share import CoreShare, Peer, fits, threads_for
 
 PEER = textwrap.dedent("""
     import sys
-    from pdserve.worker.core_share import CoreShare
+    from pdserve.worker.cpu.core_share import CoreShare
     threads = []
     share = CoreShare(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), threads.append, max_wait_s=float(sys.argv[4]))
     print("slot", share.slot, flush=True)

@@ -90,7 +90,7 @@ class NativeForward:
 
     def follow_threads(self, count) -> None:
         """Start each layer of a step on `count[0]` torch threads (a writable buffer of one int32
-        that another thread may raise mid-step; `worker/core_share.py`)."""
+        that another thread may raise mid-step; `worker/cpu/core_share.py`)."""
         self._threads = torch.frombuffer(count, dtype=torch.int32)
         self._model.follow_threads(self._threads)
 

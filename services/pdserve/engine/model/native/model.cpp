@@ -60,7 +60,7 @@ class NativeModel {
 
   // A one-element int32 tensor that another thread may change while a step runs: each layer
   // (and the LM head) starts on that many torch threads (a worker borrowing a core its peer left
-  // idle mid-step, `worker/core_share.py`). Without one, a step keeps the caller's count.
+  // idle mid-step, `worker/cpu/core_share.py`). Without one, a step keeps the caller's count.
   void follow_threads(const at::Tensor& source) {
     TORCH_CHECK(source.scalar_type() == at::kInt && source.numel() == 1 && source.is_contiguous(),
                 "the thread count to follow is a one-element int32 tensor");

@@ -8,6 +8,7 @@ salt never share a block, even with identical tokens.
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from pdserve.common.ids import BlockHash
 from pdserve.common.request import MultimodalSpan
@@ -52,6 +53,28 @@ def hash_request_blocks(
         parent = hash_block_tokens(parent, token_ids[begin:end], lora_id, pairs, salt)
         hashes.append(parent)
     return hashes
+
+
+@dataclass(slots=True)
+class BlockHashChain:
+    """One sequence's block digests, kept as its token list grows: however often the sequence is
+    analyzed, claimed or checked, each full block is hashed once. Only for a token list that is
+    only ever appended to, with the same LoRA id, multimodal spans and salt on every call."""
+
+    tokens_per_block: int = 0
+    hashes: list[BlockHash] = field(default_factory=list)
+
+    def of(self, token_ids: Sequence[int], tokens_per_block: int, lora_id: int | None,
+           multimodal: Sequence[MultimodalSpan], cache_salt: str | None) -> list[BlockHash]:
+        """The digests of `token_ids`' full blocks (a new list), hashing only the blocks not seen yet."""
+        if tokens_per_block != self.tokens_per_block:
+            self.tokens_per_block, self.hashes = tokens_per_block, []
+        num_full = len(token_ids) // tokens_per_block
+        if len(self.hashes) < num_full:
+            parent = self.hashes[-1] if self.hashes else None
+            self.hashes += hash_request_blocks(token_ids, tokens_per_block, lora_id, multimodal, cache_salt,
+                                               len(self.hashes), parent)
+        return self.hashes[:num_full]
 
 
 def short_hash(block_hash: BlockHash) -> int:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.ids import BlockHash, RequestId
 from pdserve.common.request import DEFAULT_RETENTION_PRIORITY, MultimodalSpan, PriorityRange
-from pdserve.kvcache.block_key import hash_request_blocks
+from pdserve.kvcache.block_key import BlockHashChain
 
 
 @dataclass(slots=True)
@@ -16,8 +16,10 @@ class CacheRequest:
     `priorities` give retention priorities to prompt token ranges; `decode_priority` applies to blocks
     filled by generated tokens. `reuse_cached_prefix` False computes the whole prompt even where
     it is cached (its logits are wanted: prompt logprobs, as vLLM skips its prefix cache for
-    them); the blocks it fills are still published for others.
-    Validate with `validate()` before handing it to the manager.
+    them); the blocks it fills are still published for others. `hash_chain` holds the block
+    digests: a request's own by default, or its sequence's (`BlockHashChain`), so that the many
+    requests built for one sequence hash each block once. Validate with `validate()` before
+    handing it to the manager.
     """
 
     request_id: RequestId
@@ -30,8 +32,7 @@ class CacheRequest:
     decode_duration_s: float | None = None
     num_claim_tokens: int | None = None
     reuse_cached_prefix: bool = True
-    _hashes: list[BlockHash] = field(default_factory=list, repr=False)
-    _hashes_tpb: int = 0
+    hash_chain: BlockHashChain = field(default_factory=BlockHashChain, repr=False, compare=False)
 
     def validate(self) -> None:
         if len(self.token_ids) == 0:
@@ -43,13 +44,8 @@ class CacheRequest:
         _check_ranges(self.priorities)
 
     def block_hashes(self, tokens_per_block: int) -> list[BlockHash]:
-        """Digests of the prompt's full blocks, computed once per request."""
-        if self._hashes_tpb != tokens_per_block:
-            self._hashes = hash_request_blocks(
-                self.token_ids, tokens_per_block, self.lora_id, self.multimodal, self.cache_salt
-            )
-            self._hashes_tpb = tokens_per_block
-        return self._hashes
+        """Digests of the full blocks of `token_ids`, each hashed once per request (or per sequence)."""
+        return self.hash_chain.of(self.token_ids, tokens_per_block, self.lora_id, self.multimodal, self.cache_salt)
 
     def block_priority(self, begin: int, end: int) -> tuple[int, float | None] | None:
         """Highest explicit priority among ranges overlapping tokens [begin, end), with its duration."""

@@ -102,6 +102,21 @@ def test_only_a_prompt_sharing_an_uncached_block_waits():
     assert [(s.seq_id, s.num_cached_tokens) for s in engine.scheduler.running][-1] == ("u2", 20)
 
 
+def test_each_prompt_block_is_hashed_once_while_it_waits_chunks_and_is_claimed(monkeypatch):
+    """A sequence owns its block digests: admission checks on several steps, its claim, and the
+    in-batch check of its running chunks reuse them instead of hashing the prompt again."""
+    from pdserve.kvcache import block_key
+    hashed = []
+    real = block_key.hash_block_tokens
+    monkeypatch.setattr(block_key, "hash_block_tokens", lambda parent, tokens, *a: hashed.append(tuple(tokens)) or real(parent, tokens, *a))
+    engine = make_engine(budget=8)
+    prompts = [list(range(0, 24)), list(range(30, 54)), list(range(60, 84))]  # 6 blocks each
+    outputs, _ = run(engine, [request(f"h{i}", p, max_tokens=2) for i, p in enumerate(prompts)])
+    assert outputs == {(f"h{i}", 0): reference(p, 2) for i, p in enumerate(prompts)}
+    blocks = [tuple(p[b:b + 4]) for p in prompts for b in range(0, 24, 4)]
+    assert sorted(t for t in hashed if t in set(blocks)) == sorted(blocks)
+
+
 def test_chunks_in_the_prompt_are_marked_as_prompt_however_short():
     """The model computes prompt tokens one way (a tile) and decode tokens another; a prompt whose
     every block but its last token is cached still goes as a prompt."""

@@ -57,3 +57,17 @@ def test_salt_enters_the_first_block_only():
 def test_short_hash_is_64_bits():
     h = hash_request_blocks(TOKENS, 4)[0]
     assert short_hash(h) == int.from_bytes(h[:8], "little") and short_hash(h) < 2**64
+
+
+def test_a_chain_hashes_each_block_once_as_its_tokens_grow(monkeypatch):
+    from pdserve.kvcache import block_key
+    by4, by8 = hash_request_blocks(TOKENS, 4, cache_salt="salt"), hash_request_blocks(TOKENS, 8, cache_salt="salt")
+    hashed = []
+    real = block_key.hash_block_tokens
+    monkeypatch.setattr(block_key, "hash_block_tokens", lambda parent, tokens, *a: hashed.append(tokens) or real(parent, tokens, *a))
+    chain = block_key.BlockHashChain()
+    assert chain.of(TOKENS[:10], 4, None, (), "salt") == by4[:2]
+    assert chain.of(TOKENS[:10], 4, None, (), "salt") == by4[:2]
+    assert chain.of(TOKENS, 4, None, (), "salt") == by4
+    assert hashed == [TOKENS[0:4], TOKENS[4:8], TOKENS[8:12], TOKENS[12:16]]
+    assert chain.of(TOKENS, 8, None, (), "salt") == by8  # another block size starts over

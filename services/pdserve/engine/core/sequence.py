@@ -10,7 +10,7 @@ from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
 from pdserve.engine.core.request_stats import SeqTimes
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, TokenLogprob
-from pdserve.kvcache import CacheRequest
+from pdserve.kvcache import BlockHashChain, CacheRequest
 
 
 class SeqStatus(enum.Enum):
@@ -45,6 +45,7 @@ class Sequence:
     # Prompt logprobs by prompt position (1..), filled chunk by chunk while the prompt is computed;
     # siblings forked after the prefill share the first sequence's.
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    hash_chain: BlockHashChain = field(default_factory=BlockHashChain)  # its block digests, hashed once
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -68,7 +69,7 @@ class Sequence:
         r = self.request
         return CacheRequest(self.seq_id, list(self.token_ids), r.lora_id, r.cache_salt, r.multimodal,
                             r.priorities, num_claim_tokens=num_claim_tokens,
-                            reuse_cached_prefix=not self.wants_prompt_logprobs)
+                            reuse_cached_prefix=not self.wants_prompt_logprobs, hash_chain=self.hash_chain)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -12,22 +12,25 @@ from pdserve.worker.cpu.heap import keep_step_memory
 
 # On a thread of its own, as in a worker: one layer's activations of a 2,048-token step of
 # SmolLM2-135M (normed input, q|k|v, gate|up, the SiLU product), written and then freed;
-# prints the resident MiB they added, and how many of those the process still holds after.
+# prints the anonymous resident MiB they added, and how many of those the process still holds
+# after. A small tensor first (100 KB: parallel, under glibc's initial mmap threshold), so that the
+# op's first use and the OpenMP threads it starts are not counted.
 STEP = textwrap.dedent("""
-    import json, os, sys, threading, torch
+    import json, sys, threading, torch
     from pdserve.worker.cpu.heap import keep_step_memory
     if sys.argv[1] == "keep":
         keep_step_memory()
-    def resident_mib():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    def anonymous_mib():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
     result = []
     def step():
-        before = resident_mib()
+        torch.ones(200, 256, dtype=torch.bfloat16)
+        before = anonymous_mib()
         rows = [torch.ones(2048, width, dtype=torch.bfloat16) for width in (576, 960, 3072, 1536)]
-        added = resident_mib() - before
+        added = anonymous_mib() - before
         del rows
-        result.extend([added, resident_mib() - before])
+        result.extend([added, anonymous_mib() - before])
     thread = threading.Thread(target=step)
     thread.start()
     thread.join()
@@ -57,7 +60,7 @@ def test_a_kept_heap_holds_a_steps_memory_for_the_next():
 def test_without_it_glibc_gives_the_pages_back():
     """What the setting is for: the next step would fault every one of those pages in again."""
     added, held = _step_mib("default")
-    assert added > 20 and held < 0.1 * added, (added, held)
+    assert added > 20 and held < 0.25 * added, (added, held)
 
 
 def test_a_users_malloc_settings_win(monkeypatch):

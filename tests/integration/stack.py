@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.common.ports import free_ports
+
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 15.0
@@ -73,12 +75,11 @@ _HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
-    """A loopback port free now and not handed out before in this test session: two picks in a row
-    can otherwise return the same port, and two processes would be told to listen on it."""
+    """A loopback port free now, below the kernel's ephemeral range (so a process that starts
+    meanwhile cannot take it), and not handed out before in this test session: two picks in a
+    row can otherwise return the same port, and two processes would be told to listen on it."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        (port,) = free_ports("127.0.0.1", 1)
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port

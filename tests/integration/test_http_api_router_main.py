@@ -2,7 +2,6 @@
 `WordBackend`): start, serve completions, abort on disconnect across gRPC, stop on SIGINT."""
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.worker.server import WorkerServer
+from tests.integration.stack import free_port
 
 pytestmark = pytest.mark.integration
 START_TIMEOUT_S = 60.0
@@ -70,12 +70,6 @@ def worker(tokenizer: Tokenizer) -> Iterator[tuple[int, WordBackend]]:
         asyncio.run_coroutine_threadsafe(server.stop(0.5), loop).result(timeout=WAIT_S)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=WAIT_S)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

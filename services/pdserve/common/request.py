@@ -109,6 +109,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None  # with `error`: the request's own parameter at fault (a 400), not the service
     # A decode worker's first output: the address of the prefill worker that computed the
     # prompt, or "local" (the path that actually ran, whatever the router asked for).
     prefilled_by: str = ""

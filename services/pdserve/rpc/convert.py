@@ -184,7 +184,7 @@ def output_to_proto(output: RequestOutput) -> rpb.RequestOutput:
         text=output.text, logprobs=[logprob_to_proto(lp) for lp in output.logprobs],
         finish_reason=_FINISH_TO_PROTO[output.finish_reason],
         num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
-        error=output.error, prefilled_by=output.prefilled_by,
+        error=output.error, error_param=output.error_param, prefilled_by=output.prefilled_by,
         prompt_logprobs=[logprob_to_proto(lp) for lp in output.prompt_logprobs],
     )
 
@@ -200,6 +200,7 @@ def output_from_proto(msg: rpb.RequestOutput) -> RequestOutput:
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
         error=msg.error if msg.HasField("error") else None,
+        error_param=msg.error_param if msg.HasField("error_param") else None,
         prefilled_by=msg.prefilled_by,
         prompt_logprobs=tuple(logprob_from_proto(lp) for lp in msg.prompt_logprobs),
     )

@@ -91,6 +91,15 @@ def test_a_guide_that_does_not_compile_is_an_invalid_request(compiler, guide):
         compiler.matcher(guide)
 
 
+def test_a_refused_token_leaves_one_line_naming_it(compiler, smollm_tokenizer):
+    guide = compiler.matcher(choice_guide(["cat"]))
+    (dog,) = smollm_tokenizer.encode("dog", add_special_tokens=False)
+    message = guide.advance(dog)
+    assert message is not None and "\n" not in message
+    assert message.startswith(f"the output's guide refused token {dog} (")
+    assert compiler.matcher(choice_guide(["dog"])).advance(dog) is None
+
+
 def test_a_vanishing_top_p_still_keeps_the_guide_s_only_token(compiler, smollm_tokenizer):
     """top_p=5e-324 is 0 in float32; the nucleus must still hold the best (here: the only
     allowed) token, EOS after a guide that is complete at once."""

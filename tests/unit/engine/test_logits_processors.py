@@ -92,6 +92,17 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_p
     assert got.tolist() == [[1.0, -4.0, 1.5, -6.0, 1.0]]
 
 
+def test_a_tiny_repetition_penalty_keeps_logits_finite_and_draws_only_the_largest() -> None:
+    logits = torch.tensor([[2.0, -2.0, 0.0, 3.0, 1.0]])
+    params = SamplingParams(repetition_penalty=5e-324, temperature=1.0, seed=4)  # 0.0 in float32
+    got = apply_logits_processors(logits.clone(), [(params, TokenHistory([0, 1, 2, 3], 2))], ())
+    largest = torch.finfo(torch.float32).max
+    assert got.tolist() == [[largest, -0.0, 0.0, largest, 1.0]]
+    rows = [SamplingRow(params, make_generator(4), history=TokenHistory([0, 1, 2, 3], 2))]
+    drawn = {Sampler(seed=1).sample(logits.clone(), rows)[0].token_id for _ in range(20)}
+    assert drawn == {0, 3}  # the two largest, each half the time; NaN probabilities would draw anything
+
+
 def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
     logits = torch.zeros((1, 4))
     params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)

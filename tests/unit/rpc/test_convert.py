@@ -53,7 +53,7 @@ outputs = st.builds(
     request_id=text.map(RequestId), index=u32, token_ids=st.lists(u32, max_size=4).map(tuple), text=text,
     logprobs=st.lists(logprobs, max_size=2).map(tuple),
     finish_reason=st.sampled_from([None, "stop", "length", "abort", "error"]),
-    num_prompt_tokens=u32, num_cached_tokens=u32, error=st.none() | text,
+    num_prompt_tokens=u32, num_cached_tokens=u32, error=st.none() | text, error_param=st.none() | text,
     prompt_logprobs=st.lists(logprobs, max_size=2).map(tuple),
 )
 

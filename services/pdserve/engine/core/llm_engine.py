@@ -390,7 +390,7 @@ class LLMEngine:
         is_past_min = seq.num_output_tokens > sampling.min_tokens
         piece = seq.stops.feed(delta) if is_past_min else StopPiece(delta, False)
         reason = "stop" if piece.stopped else finish_reason_after(seq, token_id, self.eos_token_ids, self.config.max_model_len)
-        guide_error = self._advance_guide(seq, token_id)
+        guide_error = None if seq.guide is None else seq.guide.advance(token_id)  # whoever sampled it
         if guide_error is not None:
             reason = "error"
         elif reason is None and seq.guide is not None and seq.guide.is_finished:
@@ -404,20 +404,10 @@ class LLMEngine:
             self._finish(seq)
         output = self._output(seq, (token_id,), text, reason, (logprob,) if logprob is not None else ())
         if guide_error is not None:
-            output = replace(output, error=guide_error)
+            output = replace(output, error=guide_error, error_param="guide")  # the request's guide, not us
         if seq.num_output_tokens == 1 and sampling.prompt_logprobs is not None:
             output = replace(output, prompt_logprobs=self._prompt_logprobs(seq))
         return output
-
-    @staticmethod
-    def _advance_guide(seq: Sequence, token_id: int) -> str | None:
-        """Move a guided sequence's grammar past `token_id` (whoever sampled it: this engine,
-        or a prefill worker for the first token); why the token broke the guide, if it did."""
-        if seq.guide is None:
-            return None
-        seq.guide.accept(token_id)
-        error = seq.guide.error
-        return None if error is None else f"token {token_id} is outside the output's guide: {error}"
 
     @staticmethod
     def _prompt_logprobs(seq: Sequence) -> tuple[TokenLogprob, ...]:

@@ -32,6 +32,16 @@ class GuideMatcher:
         (see `error`); the engine ends the sequence with it."""
         self.matcher.consume_token(token_id)
 
+    def advance(self, token_id: int) -> str | None:
+        """`accept(token_id)`, sampled here or by a prefill worker (the first token); why the
+        grammar refused it, if it did."""
+        self.accept(token_id)
+        error = self.error
+        if error is None:
+            return None
+        return (f"the output's guide refused token {token_id} ({error.splitlines()[0]}); "
+                "a guide that needs bytes no token of this model spells ends this way")
+
     @property
     def is_finished(self) -> bool:
         """The guide is complete: nothing (not even EOS) may follow."""

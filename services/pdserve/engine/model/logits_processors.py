@@ -10,6 +10,8 @@ top-k / top-p and the greedy argmax:
 4. penalties: `repetition_penalty` divides the positive logits and multiplies the others of every
    token seen in the prompt or the output; then `frequency_penalty` × (times generated) and
    `presence_penalty` × (generated at all) are subtracted — output tokens only, as OpenAI defines them.
+   Unlike vLLM, a penalised logit stays finite: a tiny penalty makes it float32's largest, not
+   inf, so a sampled row never gets NaN probabilities (which would draw a token the guide forbids).
 
 Each step is a handful of tensor ops over the rows that ask for it: the per-row Python work is
 over a row's own short lists (its bias entries, stop ids, bad words, its token ids), never over
@@ -173,7 +175,8 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[tuple[SamplingParams, 
     seen = torch.cat([output_cells, _cells(repeated, vocab, device)])  # (S,), a cell twice gets one value twice
     values = flat[seen]
     repetition = penalties[seen // vocab, 0]
-    flat[seen] = torch.where(values > 0, values / repetition, values * repetition)
+    largest = torch.finfo(logits.dtype).max  # a penalty near 0 (5e-324 is 0 in float32) must not make +inf
+    flat[seen] = torch.where(values > 0, values / repetition, values * repetition).clamp_(max=largest)
     values = flat[output_cells] - penalties[output_cells // vocab, 1] * counts.to(torch.float32)
     flat[output_cells] = values - penalties[output_cells // vocab, 2]  # vLLM subtracts the two in turn
 

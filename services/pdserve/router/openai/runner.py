@@ -91,6 +91,8 @@ async def _pump(
 
 
 def _check_output(output: RequestOutput, request: GenerationRequest) -> None:
+    if output.finish_reason == "error" and output.error_param is not None:  # the request's own fault
+        raise ApiError(400, output.error or "the request cannot be served", output.error_param)
     if output.finish_reason == "error":
         raise ApiError(500, f"generation failed: {output.error or 'worker error'}")
     if output.finish_reason == "abort":

@@ -1,6 +1,7 @@
 """run_streams: merging prompts' streams, bounded waits, and closing every stream on the way out."""
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 
@@ -68,6 +69,14 @@ def test_one_failing_prompt_closes_the_others() -> None:
         asyncio.run(drain(backend, [request("a"), request("b")]))
     assert caught.value.status == 500
     assert sorted(backend.closed) == ["a", "b"]
+
+
+def test_an_error_of_the_request_s_own_is_a_400_naming_its_parameter() -> None:
+    refused = replace(out("a", 0, "x", "error", error="the output's guide refused token 7"), error_param="guide")
+    backend = ScriptedBackend({"a": [refused]})
+    with pytest.raises(ApiError, match="^the output's guide refused token 7$") as caught:
+        asyncio.run(drain(backend, [request("a")]))
+    assert (caught.value.status, caught.value.param) == (400, "guide")
 
 
 def test_stream_ending_before_every_choice_finished_is_503() -> None:

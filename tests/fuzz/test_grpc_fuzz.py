@@ -1,9 +1,9 @@
 """Every method of every gRPC service a worker serves, called with hostile payloads: random bytes,
 random field values built from the message descriptors, and out-of-range ids and block lists.
 
-Each call ends with a status within its deadline (a KvEvents subscription is cancelled after its
-first batch); an error's details are bounded; and afterwards each worker is alive, its KV
-bookkeeping intact with the blocks in use at baseline, and a normal request gets the same tokens
+Each call ends with a status within its deadline (a KvEvents subscription and an output stream
+are cancelled after their first batch); an error's details are bounded; and afterwards each
+worker is alive, its KV bookkeeping intact with the blocks in use at baseline, and a normal request gets the same tokens
 as before the fuzzing.
 """
 import math
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 MAX_EXAMPLES = 50  # per method and kind of payload: with the HTTP run, about a minute on 2 cores
 CALL_TIMEOUT_S = 30.0  # a call still running after this is a hung worker (DEADLINE_EXCEEDED fails the test)
 MAX_STREAM_MESSAGES = 1000  # more than any answer within the stack's 128-token context
-ENDLESS_STREAMS = {"pdserve.v1.KvEvents.Subscribe"}  # read one batch, then cancel
+ENDLESS_STREAMS = {"pdserve.v1.KvEvents.Subscribe", "pdserve.v1.Worker.StreamOutputs"}  # read one batch, then cancel
 ROLE_SERVICES = {  # which worker of the stack serves which services
     "worker": ("Worker", "KvEvents", "LoraAdapters"),
     "prefill_worker": ("Worker", "KvEvents", "KvTransfer"),

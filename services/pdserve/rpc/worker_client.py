@@ -1,10 +1,12 @@
 """The router's client of one worker: `GenerateBackend` over the worker's gRPC service."""
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
+from pdserve.common.errors import InvalidRequestError, WorkerTimeoutError, WorkerUnavailableError
 from pdserve.common.ids import DeploymentId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, WorkerInfo
@@ -12,6 +14,7 @@ from pdserve.common.tls import TlsConfig
 from pdserve.rpc import convert
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
+from pdserve.rpc.output_stream import OutputDemux
 from pdserve.rpc.status import error_from_rpc
 from pdserve.rpc.tls import aio_channel
 
@@ -53,6 +56,8 @@ class GrpcBackend:
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._loras: worker_pb2_grpc.LoraAdaptersStub | None = None  # on the same channel
+        self._output_stream: OutputDemux | None = None  # every request's outputs from this worker
+        self._opening: asyncio.Lock | None = None
 
     def _worker(self) -> worker_pb2_grpc.WorkerStub:
         if self._stub is None:
@@ -71,14 +76,46 @@ class GrpcBackend:
         cancelling the task iterating it) cancels the call, and the worker aborts the request.
         `prefill_worker`: a prefill worker's address for this (decode) worker to use."""
         message = convert.request_to_proto(request, prefill_worker)
+        stream = await self._outputs()
+        queue = stream.register(request.request_id)  # None: the id runs here already (the worker will say so)
+        if queue is not None:
+            message.output_stream = stream.stream_id
         call = self._worker().Generate(message, timeout=self._generate_timeout_s)
         try:
-            async for output in call:
-                yield convert.output_from_proto(output)
+            if queue is None:  # on the call's own stream, where the other's outputs are not mixed in
+                async for message in call:
+                    yield convert.output_from_proto(message)
+                return
+            async for output in stream.outputs(request.request_id, queue, call, request.sampling.n):
+                yield output
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, self.address, self._generate_timeout_s) from exc
+            error = error_from_rpc(exc, self.address, self._generate_timeout_s)
+            if isinstance(error, InvalidRequestError) and error.param == "output_stream":
+                stream.is_closed = True  # the worker lost it (it restarted): the next request opens another
+                raise WorkerUnavailableError(self.address, "it does not know our output stream") from exc
+            raise error from exc
         finally:
             call.cancel()  # no-op once the call has ended
+            if queue is not None:
+                stream.forget(request.request_id)
+
+    async def _outputs(self) -> OutputDemux:
+        """The open output stream of this worker's requests; opened (again) when there is none."""
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._output_stream is None or self._output_stream.is_closed:
+                if self._output_stream is not None:
+                    await self._output_stream.close()
+                stream = OutputDemux(self.address)
+                try:
+                    await stream.open(self._worker(), self._rpc_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    raise error_from_rpc(exc, self.address, self._rpc_timeout_s) from exc
+                except TimeoutError:
+                    raise WorkerTimeoutError(self.address, self._rpc_timeout_s) from None
+                self._output_stream = stream
+            return self._output_stream
 
     async def _call(self, method: Callable[..., Awaitable[R]], message: Message, timeout_s: float | None = None) -> R:
         timeout_s = timeout_s or self._rpc_timeout_s
@@ -121,6 +158,9 @@ class GrpcBackend:
 
     async def close(self) -> None:
         """Close the channel; calls still running end with WorkerUnavailableError."""
+        if self._output_stream is not None:
+            await self._output_stream.close()
+            self._output_stream = None
         if self._channel is not None:
             await self._channel.close(grace=None)
             self._channel = None

@@ -25,6 +25,7 @@ from pdserve.rpc import convert
 from pdserve.rpc.gen import request_pb2 as rpb
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
+from pdserve.rpc.output_stream import OutputHub
 from pdserve.rpc.status import status_of
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: AsyncEngine, deployment_id: DeploymentId | None = None) -> None:
         self._engine = engine
         self._deployment_id = deployment_id
+        self.output_streams = OutputHub()
 
     async def Generate(
         self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -51,8 +53,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except PdserveError as exc:  # no request can be made of the message (an unknown guide kind): nothing ran
             await _fail(context, exc)
             return
+        prefill_worker = convert.prefill_worker_from_proto(request)
         try:
-            await self._stream(gen_request, convert.prefill_worker_from_proto(request), context)
+            if request.HasField("output_stream"):
+                await self._stream_to(gen_request, prefill_worker, request.output_stream)
+            else:
+                await self._stream(gen_request, prefill_worker, context)
         except DuplicateRequestError as exc:  # the id names another live request: leave it be
             await _fail(context, exc)
         except (OverloadedError, EngineWedgedError) as exc:  # refused before admission: nothing to abort
@@ -70,6 +76,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async with aclosing(self._engine.generate(request, prefill_worker)) as outputs:
             async for output in outputs:
                 await context.write(convert.output_to_proto(output))
+
+    async def _stream_to(self, request: GenerationRequest, prefill_worker: str | None, stream_id: str) -> None:
+        """The outputs onto the caller's StreamOutputs call `stream_id`; none on this call."""
+        queue = self.output_streams.get(stream_id)
+        if queue is None:  # never opened here (a caller's mistake), or closed as this worker stops
+            raise InvalidRequestError(f"no output stream {stream_id!r} is open here", "output_stream")
+        with self.output_streams.putting():
+            async with aclosing(self._engine.generate(request, prefill_worker)) as outputs:
+                async for output in outputs:
+                    queue.put(output)  # WorkerUnavailableError once the stream closed: aborted below
+
+    async def StreamOutputs(self, request: wpb.StreamOutputsRequest, context: grpc.aio.ServicerContext) -> None:
+        if not request.stream_id:
+            await _fail(context, InvalidRequestError("stream_id must not be empty", "stream_id"))
+        await self.output_streams.serve(request.stream_id, context)
 
     async def _abort_in_engine(self, request_id: RequestId) -> None:
         """Abort even if this task is cancelled again while waiting."""
@@ -117,6 +138,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def add_worker_service(server: grpc.aio.Server, engine: AsyncEngine,
-                       deployment_id: DeploymentId | None = None) -> None:
+                       deployment_id: DeploymentId | None = None) -> WorkerServicer:
     """Serve `engine` as the Worker service of `server`."""
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, deployment_id), server)
+    servicer = WorkerServicer(engine, deployment_id)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    return servicer

@@ -50,7 +50,7 @@ class WorkerServer:
                  deployment_id: DeploymentId | None = None, tls: TlsConfig | None = None) -> None:
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         self._tls = tls
-        add_worker_service(self._server, engine, deployment_id)
+        self._output_streams = add_worker_service(self._server, engine, deployment_id).output_streams
         for add_service in services:  # e.g. the KvTransfer service of a prefill worker
             add_service(self._server)
         self._address = f"{host}:{port}"
@@ -71,7 +71,9 @@ class WorkerServer:
         return port
 
     async def stop(self, grace_s: float) -> None:
-        await self._server.stop(grace_s)
+        stopping = asyncio.create_task(self._server.stop(grace_s))
+        await self._output_streams.close_when_idle(grace_s)  # routers' output streams never end by themselves
+        await stopping
         log.info("worker stopped")
 
 

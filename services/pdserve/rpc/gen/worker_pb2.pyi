@@ -28,6 +28,18 @@ WORKER_ROLE_BOTH: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
+class StreamOutputsRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+
+class OutputBatch(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[_request_pb2.RequestOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[_request_pb2.RequestOutput, _Mapping]]] = ...) -> None: ...
+
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "lora_id", "path")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -41,6 +41,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_request__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_request__pb2.RequestOutput.FromString,
                 _registered_method=True)
+        self.StreamOutputs = channel.unary_stream(
+                '/pdserve.v1.Worker/StreamOutputs',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.StreamOutputsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.OutputBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Worker/Abort',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -75,6 +80,18 @@ class WorkerServicer:
     def Generate(self, request, context):
         """Streams the request's outputs; ends once every completion has finished.
         Cancelling the call aborts the request in the worker and frees its blocks.
+        With `output_stream` set the outputs go to that StreamOutputs call instead and this call
+        sends none: it ends (OK, or with the request's error) once its last output is handed over.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamOutputs(self, request, context):
+        """One stream for the outputs of many requests (those naming `stream_id` as their
+        `output_stream`), each message all the outputs ready at once: a router opens one per
+        worker, so a decode step of many requests is one message, not one per request. The first
+        message is empty: the stream is open. It ends when the worker stops.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,6 +136,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_request__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_request__pb2.RequestOutput.SerializeToString,
+            ),
+            'StreamOutputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamOutputs,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StreamOutputsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.OutputBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -174,6 +196,33 @@ class Worker:
             '/pdserve.v1.Worker/Generate',
             pdserve_dot_v1_dot_request__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_request__pb2.RequestOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Worker/StreamOutputs',
+            pdserve_dot_v1_dot_worker__pb2.StreamOutputsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.OutputBatch.FromString,
             options,
             channel_credentials,
             insecure,

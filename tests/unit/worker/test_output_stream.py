@@ -1,6 +1,8 @@
 """One output stream per router and worker: outputs batched on the worker's end, handed to each
 request on the router's, and the `Generate` call still the request's result and its abort."""
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -20,6 +22,17 @@ WAIT_S = 10.0
 
 def run(scenario) -> None:
     asyncio.run(asyncio.wait_for(scenario, 30))
+
+
+@asynccontextmanager
+async def serving(engine: FakeEngine) -> AsyncIterator[tuple[WorkerServer, GrpcBackend]]:
+    server = WorkerServer(engine, "127.0.0.1", 0)
+    backend = GrpcBackend(f"127.0.0.1:{await server.start()}")
+    try:
+        yield server, backend
+    finally:
+        await backend.close()
+        await server.stop(0)
 
 
 def output(rid: str, i: int, finish: str | None = None) -> RequestOutput:
@@ -48,21 +61,15 @@ def test_outputs_put_in_one_loop_turn_leave_as_one_batch() -> None:
 def test_many_requests_share_one_stream_and_each_gets_its_own_outputs() -> None:
     async def scenario() -> None:
         engine = FakeEngine()
-        server = WorkerServer(engine, "127.0.0.1", 0)
-        backend = GrpcBackend(f"127.0.0.1:{await server.start()}")
         requests = [make_request(f"r{i}", max_tokens=3 + i) for i in range(8)]
+        async with serving(engine) as (server, backend):
+            async def collect(request):
+                return [out async for out in backend.generate(request)]
 
-        async def collect(request):
-            return [out async for out in backend.generate(request)]
-
-        try:
             got = await asyncio.gather(*(collect(r) for r in requests))
             assert got == [expected_outputs(r) for r in requests]
             assert len(server._output_streams._queues) == 1  # one stream for all eight
-            assert engine.aborted == []
-        finally:
-            await backend.close()
-            await server.stop(0)
+        assert engine.aborted == []
 
     run(scenario())
 
@@ -108,9 +115,7 @@ def test_a_call_that_ended_without_its_last_outputs_is_unavailable(monkeypatch) 
 def test_a_closed_stream_fails_its_requests_the_worker_aborts_them_and_the_next_opens_another() -> None:
     async def scenario() -> None:
         engine = FakeEngine(hang_after=1)
-        server = WorkerServer(engine, "127.0.0.1", 0)
-        backend = GrpcBackend(f"127.0.0.1:{await server.start()}")
-        try:
+        async with serving(engine) as (server, backend):
             outputs = backend.generate(make_request("cut"))
             assert (await anext(outputs)).text == "t0"
             await server._output_streams.close_when_idle(0)  # as a stopping worker does
@@ -121,21 +126,14 @@ def test_a_closed_stream_fails_its_requests_the_worker_aborts_them_and_the_next_
             engine.hang_after = None
             request = make_request("next")
             assert [out async for out in backend.generate(request)] == expected_outputs(request)
-        finally:
-            await backend.close()
-            await server.stop(0)
 
     run(scenario())
 
 
 def test_a_stream_the_worker_does_not_know_is_refused_and_the_router_opens_another() -> None:
     async def scenario() -> None:
-        engine = FakeEngine()
-        server = WorkerServer(engine, "127.0.0.1", 0)
-        port = await server.start()
-        backend = GrpcBackend(f"127.0.0.1:{port}")
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with serving(FakeEngine()) as (server, backend):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 message = convert.request_to_proto(make_request("stray"))
                 message.output_stream = "never-opened"
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -148,9 +146,6 @@ def test_a_stream_the_worker_does_not_know_is_refused_and_the_router_opens_anoth
                 [out async for out in backend.generate(make_request("lost"))]
             request = make_request("again")
             assert [out async for out in backend.generate(request)] == expected_outputs(request)
-        finally:
-            await backend.close()
-            await server.stop(0)
 
     run(scenario())
 

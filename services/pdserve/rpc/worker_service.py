@@ -25,7 +25,7 @@ from pdserve.rpc import convert
 from pdserve.rpc.gen import request_pb2 as rpb
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
-from pdserve.rpc.output_stream import OutputHub
+from pdserve.rpc.output_stream import OutputHub, OutputQueue
 from pdserve.rpc.status import status_of
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await _fail(context, exc)
             return
         prefill_worker = convert.prefill_worker_from_proto(request)
+        queue = self.output_streams.get(request.output_stream) if request.HasField("output_stream") else None
+        if request.HasField("output_stream") and queue is None:  # never opened here, or closed as this worker stops
+            await _fail(context, InvalidRequestError(f"no output stream {request.output_stream!r} is open here",
+                                                     "output_stream"))  # nothing ran: the id may be another's
         try:
-            if request.HasField("output_stream"):
-                await self._stream_to(gen_request, prefill_worker, request.output_stream)
+            if queue is not None:
+                await self._stream_to(gen_request, prefill_worker, queue)
             else:
                 await self._stream(gen_request, prefill_worker, context)
         except DuplicateRequestError as exc:  # the id names another live request: leave it be
@@ -77,11 +81,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for output in outputs:
                 await context.write(convert.output_to_proto(output))
 
-    async def _stream_to(self, request: GenerationRequest, prefill_worker: str | None, stream_id: str) -> None:
-        """The outputs onto the caller's StreamOutputs call `stream_id`; none on this call."""
-        queue = self.output_streams.get(stream_id)
-        if queue is None:  # never opened here (a caller's mistake), or closed as this worker stops
-            raise InvalidRequestError(f"no output stream {stream_id!r} is open here", "output_stream")
+    async def _stream_to(self, request: GenerationRequest, prefill_worker: str | None, queue: OutputQueue) -> None:
+        """The outputs onto the caller's StreamOutputs call (`queue`); none on this call."""
         with self.output_streams.putting():
             async with aclosing(self._engine.generate(request, prefill_worker)) as outputs:
                 async for output in outputs:

@@ -132,13 +132,15 @@ def test_a_closed_stream_fails_its_requests_the_worker_aborts_them_and_the_next_
 
 def test_a_stream_the_worker_does_not_know_is_refused_and_the_router_opens_another() -> None:
     async def scenario() -> None:
-        async with serving(FakeEngine()) as (server, backend):
+        engine = FakeEngine()
+        async with serving(engine) as (server, backend):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 message = convert.request_to_proto(make_request("stray"))
                 message.output_stream = "never-opened"
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     [m async for m in worker_pb2_grpc.WorkerStub(channel).Generate(message, timeout=WAIT_S)]
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert engine.aborted == []  # refused before anything ran: the id may be another request's
             request = make_request("first")
             assert [out async for out in backend.generate(request)] == expected_outputs(request)
             server._output_streams._queues.clear()  # as a worker restarted under the same address

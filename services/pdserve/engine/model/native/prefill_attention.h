@@ -1,8 +1,12 @@
 // Attention for tiles of many query tokens in bf16, as small matrix products on AVX512-BF16:
-// per KV head and chunk of 32 keys, K and V are packed once per query tile (up to 128 tokens) into bf16 pairs
-// (K by head dimension, V by key), then each query row costs hd/2 dot-product instructions for its 16
-// scores and 8 * hd/16 for its output, shared by the query heads of the group. Probabilities
-// go through bf16 for P.V, as in torch's flash attention on bf16 inputs.
+// per KV head and block of 128 keys, K and V are packed once per query tile (up to 128 tokens) into
+// bf16 pairs (K by head dimension, V by key). A row's scores for the block go to a buffer first,
+// then its softmax takes one maximum and rescales its outputs once per block (an online softmax
+// over 32-key chunks spent ~30 % of the kernel there). Each query row costs hd/2 dot-product
+// instructions per 16 scores and 8 * hd/16 per 16 keys of output, shared by the query heads of
+// the group. Probabilities go through bf16 for P.V, as in torch's flash attention on bf16 inputs.
+// Blocks start at multiples of 128 positions, so a row's arithmetic is the same however its
+// prompt was split into chunks or tiles.
 #pragma once
 #if defined(__AVX512BF16__)
 #include <algorithm>
@@ -17,20 +21,23 @@ namespace pdserve {
 template <int CH>
 struct Bf16TileAttention {
   static constexpr int64_t HD = CH * 16;
-  static constexpr int64_t kKeys = 32;  // keys per chunk: two vectors of scores
+  static constexpr int64_t kChunk = 32;   // keys per two vectors of scores
+  static constexpr int64_t kBlock = 128;  // keys per softmax block
+  static constexpr int kRows = CH <= 4 ? 4 : CH <= 8 ? 2 : 1;  // rows that share each K and V load
   const bf16* kv;  // the KV tensor shifted to this layer's K: block b's K rows at kv + b * block_stride
   int64_t key_stride, kind_stride;
   float scale;
   int64_t window;
   int64_t block_stride;
-  std::vector<uint32_t> kp, vp;  // (HD/2, 32) K pairs by dimension; (16, HD) V pairs by key
+  std::vector<uint32_t> kp, vp;  // (HD/2, kBlock) K pairs by dimension; (kBlock/2, HD) V pairs by key
   std::vector<float> acc, m, l;  // per row of the tile: output sums, running max, running sum
+  alignas(64) float scores[kRows][kBlock];
+  alignas(64) uint32_t probs[kRows][kBlock / 2];  // bf16 pairs by key
 
   Bf16TileAttention(const bf16* layer_kv, int64_t block_stride_, int64_t key_stride_, int64_t kind_stride_,
                     float scale_, int64_t window_)
       : kv(layer_kv), key_stride(key_stride_), kind_stride(kind_stride_), scale(scale_), window(window_),
         block_stride(block_stride_) {}
-
 
   // Rows of one KV head: row r's query vector at q_rows[r], its position positions[r]; keys
   // first_key..last_key through `table`. Writes float outputs (rows, HD) to out_rows.
@@ -39,10 +46,10 @@ struct Bf16TileAttention {
     acc.assign(rows * HD, 0.0f);
     m.assign(rows, -std::numeric_limits<float>::infinity());
     l.assign(rows, 0.0f);
-    kp.resize(HD / 2 * kKeys);
-    vp.resize(kKeys / 2 * HD);
-    for (int64_t key = first_key - first_key % kKeys; key <= last_key; key += kKeys) {
-      const int64_t n = std::min<int64_t>(kKeys, last_key + 1 - key);
+    kp.resize(HD / 2 * kBlock);
+    vp.resize(kBlock / 2 * HD);
+    for (int64_t key = first_key - first_key % kBlock; key <= last_key; key += kBlock) {
+      const int64_t n = std::min<int64_t>(kBlock, last_key + 1 - key);
       pack(table, tpb, key, n, kv_head);
       int64_t r = 0;
       for (; r + kRows <= rows; r += kRows) attend_rows<kRows>(r, q_rows + r, positions + r, key, n);
@@ -54,105 +61,122 @@ struct Bf16TileAttention {
     }
   }
 
+  // Keys key .. key + n - 1; the rest of the last chunk is zero (its scores are masked, and a
+  // zero probability times a zero V row adds nothing).
   void pack(const int32_t* table, int64_t tpb, int64_t key, int64_t n, int64_t kv_head) {
-    std::fill(kp.begin(), kp.end(), 0u);
-    std::fill(vp.begin(), vp.end(), 0u);
+    const int64_t padded = (n + kChunk - 1) / kChunk * kChunk;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = key + j;
       const bf16* k = kv + int64_t(table[pos / tpb]) * block_stride + (pos % tpb) * key_stride + kv_head * HD;
       const bf16* v = k + kind_stride;
       uint32_t kpair[HD / 2];
       std::memcpy(kpair, k, HD * sizeof(bf16));
-      for (int64_t dp = 0; dp < HD / 2; ++dp) kp[dp * kKeys + j] = kpair[dp];
+      for (int64_t dp = 0; dp < HD / 2; ++dp) kp[dp * kBlock + j] = kpair[dp];
       uint16_t* vdst = reinterpret_cast<uint16_t*>(&vp[(j / 2) * HD]) + (j % 2);
       for (int64_t d = 0; d < HD; ++d) vdst[2 * d] = v[d].bits;
     }
+    for (int64_t j = n; j < padded; ++j) {
+      for (int64_t dp = 0; dp < HD / 2; ++dp) kp[dp * kBlock + j] = 0u;
+      uint16_t* vdst = reinterpret_cast<uint16_t*>(&vp[(j / 2) * HD]) + (j % 2);
+      for (int64_t d = 0; d < HD; ++d) vdst[2 * d] = 0;
+    }
   }
 
-  // Rows r .. r + NR through one chunk together: each K and V pair vector is loaded once for all
-  // of them and their dependent chains (max, exp, sums) interleave. A row's arithmetic is the same
-  // whatever NR; when a row sees none of the chunk, each row goes through alone.
-  static constexpr int kRows = CH <= 4 ? 4 : CH <= 8 ? 2 : 1;
+  // Rows r .. r + NR through one block together: each K and V pair vector is loaded once for all
+  // of them and their dependent chains interleave. The keys past every row's position are
+  // skipped; within the rest, a row's masked keys get zero probability, so a row's arithmetic is
+  // the same whatever rows share its pass.
   template <int NR>
   void attend_rows(int64_t r, const bf16* const* q, const int64_t* pos, int64_t key, int64_t n) {
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    for (int i = 0; i < NR; ++i)
-      if (pos[i] < key || (window && key + n - 1 <= pos[i] - window)) {
-        if constexpr (NR > 1)
-          for (int k = 0; k < NR; ++k) attend_rows<1>(r + k, q + k, pos + k, key, n);
-        return;
-      }
-    __m512 lo[NR], hi[NR];
-    {
-      __m512 s_lo[NR], s_hi[NR], t_lo[NR], t_hi[NR];
-      for (int i = 0; i < NR; ++i) s_lo[i] = s_hi[i] = t_lo[i] = t_hi[i] = _mm512_setzero_ps();
-      for (int64_t dp = 0; dp < HD / 2; dp += 2) {
-        const __m512bh k0l = (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys]);
-        const __m512bh k0h = (__m512bh)_mm512_loadu_si512(&kp[dp * kKeys + 16]);
-        const __m512bh k1l = (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys]);
-        const __m512bh k1h = (__m512bh)_mm512_loadu_si512(&kp[(dp + 1) * kKeys + 16]);
-        for (int i = 0; i < NR; ++i) {
-          const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q[i]);
-          const __m512bh q0 = (__m512bh)_mm512_set1_epi32(int(q32[dp])), q1 = (__m512bh)_mm512_set1_epi32(int(q32[dp + 1]));
-          s_lo[i] = _mm512_dpbf16_ps(s_lo[i], q0, k0l);
-          s_hi[i] = _mm512_dpbf16_ps(s_hi[i], q0, k0h);
-          t_lo[i] = _mm512_dpbf16_ps(t_lo[i], q1, k1l);
-          t_hi[i] = _mm512_dpbf16_ps(t_hi[i], q1, k1h);
-        }
-      }
-      const __m512 scale_v = _mm512_set1_ps(scale);
-      for (int i = 0; i < NR; ++i) {
-        lo[i] = _mm512_mul_ps(_mm512_add_ps(s_lo[i], t_lo[i]), scale_v);
-        hi[i] = _mm512_mul_ps(_mm512_add_ps(s_hi[i], t_hi[i]), scale_v);
-      }
-    }
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i pos_lo = _mm512_add_epi32(_mm512_set1_epi32(int(key)), iota);
-    const __m512i pos_hi = _mm512_add_epi32(pos_lo, _mm512_set1_epi32(16));
-    const uint32_t in_chunk = uint32_t((1ull << n) - 1);
-    __mmask16 valid_lo[NR], valid_hi[NR];
+    int64_t newest = pos[0];
+    for (int i = 1; i < NR; ++i) newest = std::max(newest, pos[i]);
+    const int64_t seen = std::min<int64_t>(n, newest - key + 1);
+    if (seen <= 0) return;
+    const int64_t chunks = (seen + kChunk - 1) / kChunk;
+    __m512 top[NR];
+    for (int i = 0; i < NR; ++i) top[i] = _mm512_set1_ps(neg_inf);
+    for (int64_t c = 0; c < chunks; ++c) score_chunk<NR>(q, pos, key + c * kChunk, n - c * kChunk, c, top);
+    __m512 correction[NR], row_max[NR];
     for (int i = 0; i < NR; ++i) {
-      const __m512i query = _mm512_set1_epi32(int(pos[i]));
-      valid_lo[i] = _mm512_cmple_epi32_mask(pos_lo, query) & __mmask16(in_chunk);
-      valid_hi[i] = _mm512_cmple_epi32_mask(pos_hi, query) & __mmask16(in_chunk >> 16);
-      if (window) {
-        const __m512i oldest = _mm512_set1_epi32(int(pos[i] - window));
-        valid_lo[i] &= _mm512_cmpgt_epi32_mask(pos_lo, oldest);
-        valid_hi[i] &= _mm512_cmpgt_epi32_mask(pos_hi, oldest);
+      const float block_max = _mm512_reduce_max_ps(top[i]);
+      if (block_max == neg_inf) {  // the row sees none of this block: nothing changes
+        correction[i] = _mm512_set1_ps(1.0f);
+        row_max[i] = _mm512_setzero_ps();
+        continue;
       }
-      if (!valid_lo[i] && !valid_hi[i]) {
-        if constexpr (NR > 1)
-          for (int k = 0; k < NR; ++k) attend_rows<1>(r + k, q + k, pos + k, key, n);
-        return;
-      }
-    }
-    uint32_t ppair[NR][16];
-    __m512 correction[NR];
-    for (int i = 0; i < NR; ++i) {
-      const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid_lo[i], lo[i]);
-      const __m512 y = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid_hi[i], hi[i]);
-      const float new_max = std::max(m[r + i], _mm512_reduce_max_ps(_mm512_max_ps(x, y)));
-      const __m512 top = _mm512_set1_ps(new_max);
-      const __m512 p_lo = exp16(_mm512_sub_ps(x, top)), p_hi = exp16(_mm512_sub_ps(y, top));
+      const float new_max = std::max(m[r + i], block_max);
       correction[i] = exp16(_mm512_set1_ps(m[r + i] - new_max));  // 0 when m was -inf
-      l[r + i] = l[r + i] * _mm512_cvtss_f32(correction[i]) + _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
+      row_max[i] = _mm512_set1_ps(new_max);
       m[r + i] = new_max;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair[i]), (__m256i)_mm512_cvtneps_pbh(p_lo));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ppair[i] + 8), (__m256i)_mm512_cvtneps_pbh(p_hi));
     }
+    __m512 sum[NR];
+    for (int i = 0; i < NR; ++i) sum[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < chunks * kChunk; j += 16) {
+      for (int i = 0; i < NR; ++i) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(&scores[i][j]), row_max[i]));
+        sum[i] = _mm512_add_ps(sum[i], p);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(&probs[i][j / 2]), (__m256i)_mm512_cvtneps_pbh(p));
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      l[r + i] = l[r + i] * _mm512_cvtss_f32(correction[i]) + _mm512_reduce_add_ps(sum[i]);
     __m512 out[NR][CH];
     for (int i = 0; i < NR; ++i)
       for (int c = 0; c < CH; ++c) out[i][c] = _mm512_mul_ps(_mm512_loadu_ps(&acc[(r + i) * HD + 16 * c]), correction[i]);
-    for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+    for (int64_t jp = 0; jp < chunks * kChunk / 2; ++jp) {
       __m512bh v[CH];
       for (int c = 0; c < CH; ++c) v[c] = (__m512bh)_mm512_loadu_si512(&vp[jp * HD + 16 * c]);
       for (int i = 0; i < NR; ++i) {
-        const __m512bh pj = (__m512bh)_mm512_set1_epi32(int(ppair[i][jp]));
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32(int(probs[i][jp]));
         for (int c = 0; c < CH; ++c) out[i][c] = _mm512_dpbf16_ps(out[i][c], pj, v[c]);
       }
     }
     for (int i = 0; i < NR; ++i)
       for (int c = 0; c < CH; ++c) _mm512_storeu_ps(&acc[(r + i) * HD + 16 * c], out[i][c]);
+  }
+
+  // The scaled scores of rows' queries for keys key .. key + 31 (chunk c of the block, `left`
+  // of its keys packed), -inf where a row may not look, into scores[i]; their maximum into top.
+  template <int NR>
+  void score_chunk(const bf16* const* q, const int64_t* pos, int64_t key, int64_t left, int64_t c, __m512* top) {
+    __m512 s_lo[NR], s_hi[NR], t_lo[NR], t_hi[NR];
+    for (int i = 0; i < NR; ++i) s_lo[i] = s_hi[i] = t_lo[i] = t_hi[i] = _mm512_setzero_ps();
+    const uint32_t* k = &kp[c * kChunk];
+    for (int64_t dp = 0; dp < HD / 2; dp += 2) {
+      const __m512bh k0l = (__m512bh)_mm512_loadu_si512(k + dp * kBlock);
+      const __m512bh k0h = (__m512bh)_mm512_loadu_si512(k + dp * kBlock + 16);
+      const __m512bh k1l = (__m512bh)_mm512_loadu_si512(k + (dp + 1) * kBlock);
+      const __m512bh k1h = (__m512bh)_mm512_loadu_si512(k + (dp + 1) * kBlock + 16);
+      for (int i = 0; i < NR; ++i) {
+        const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q[i]);
+        const __m512bh q0 = (__m512bh)_mm512_set1_epi32(int(q32[dp])), q1 = (__m512bh)_mm512_set1_epi32(int(q32[dp + 1]));
+        s_lo[i] = _mm512_dpbf16_ps(s_lo[i], q0, k0l);
+        s_hi[i] = _mm512_dpbf16_ps(s_hi[i], q0, k0h);
+        t_lo[i] = _mm512_dpbf16_ps(t_lo[i], q1, k1l);
+        t_hi[i] = _mm512_dpbf16_ps(t_hi[i], q1, k1h);
+      }
+    }
+    const __m512 scale_v = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i pos_lo = _mm512_add_epi32(_mm512_set1_epi32(int(key)), iota);
+    const __m512i pos_hi = _mm512_add_epi32(pos_lo, _mm512_set1_epi32(16));
+    const uint32_t in_block = left >= kChunk ? ~0u : uint32_t((1ull << left) - 1);
+    for (int i = 0; i < NR; ++i) {
+      const __m512i query = _mm512_set1_epi32(int(pos[i]));
+      __mmask16 valid_lo = _mm512_cmple_epi32_mask(pos_lo, query) & __mmask16(in_block);
+      __mmask16 valid_hi = _mm512_cmple_epi32_mask(pos_hi, query) & __mmask16(in_block >> 16);
+      if (window) {
+        const __m512i oldest = _mm512_set1_epi32(int(pos[i] - window));
+        valid_lo &= _mm512_cmpgt_epi32_mask(pos_lo, oldest);
+        valid_hi &= _mm512_cmpgt_epi32_mask(pos_hi, oldest);
+      }
+      const __m512 x = _mm512_mask_mul_ps(neg_inf, valid_lo, _mm512_add_ps(s_lo[i], t_lo[i]), scale_v);
+      const __m512 y = _mm512_mask_mul_ps(neg_inf, valid_hi, _mm512_add_ps(s_hi[i], t_hi[i]), scale_v);
+      _mm512_store_ps(&scores[i][c * kChunk], x);
+      _mm512_store_ps(&scores[i][c * kChunk + 16], y);
+      top[i] = _mm512_max_ps(top[i], _mm512_max_ps(x, y));
+    }
   }
 };
 

@@ -25,25 +25,66 @@ def native():
     return module
 
 
-def matmul_model(native, packed: bool):
+def matmul_model(native, packed: bool, blocked_rows: int = 0):
     e = torch.zeros(4, 64, dtype=torch.bfloat16)
     return native.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, [], torch.ones(16), 1, 1, 64, 1e-5, 0,
-                              packed)
+                              packed, blocked_rows)
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 64, 576), (3, 37, 100), (5, 16, 32), (16, 9, 1536), (70, 130, 31)])
+def packed_for_blocked_kernel(native, w: torch.Tensor) -> torch.Tensor:
+    """`pack(w)`, skipping the test where oneDNN lays it out otherwise than `blocked_linear` reads."""
+    if not packs_weights(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 matrices stay plain")
+    packed = pack(w)
+    if not native.blocked_layout(packed, w):
+        pytest.skip("oneDNN packs bf16 weights in another layout on this CPU: blocked_linear stays off")
+    return packed
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 64, 576), (3, 37, 100), (5, 16, 32), (16, 9, 1536), (70, 130, 31),
+                                     (7, 192, 1536), (13, 960, 576), (130, 128, 64)])
 @pytest.mark.parametrize("with_bias, with_residual", [(False, False), (True, False), (True, True)])
-def test_packed_bf16_matmul_equals_float_reference_rounded_once(native, m, n, k, with_bias, with_residual):
+@pytest.mark.parametrize("blocked_rows", [0, 128])
+def test_packed_bf16_matmul_equals_float_reference_rounded_once(native, m, n, k, with_bias, with_residual,
+                                                                blocked_rows):
     if not packs_weights(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 matrices stay plain")
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = (torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16())
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
     residual = torch.randn(m, n, generator=g).bfloat16() if with_residual else None
-    y = matmul_model(native, True).linear(x, pack(w), bias, residual)
+    y = matmul_model(native, True, blocked_rows).linear(x, pack(w), bias, residual)
     expected = x.float() @ w.float().T + (bias.float() if with_bias else 0) + (residual.float() if with_residual else 0)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     torch.testing.assert_close(y.float(), expected.bfloat16().float(), atol=1e-2, rtol=1e-2)
+
+
+def test_blocked_layout_check_tells_the_packed_matrix_apart(native):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(128, 96, generator=g).bfloat16()
+    packed = packed_for_blocked_kernel(native, w)
+    other = w.clone()
+    other[70, 95] += 1  # one element of a row the check reads only at its ends
+    assert not native.blocked_layout(packed, other)
+    assert not native.blocked_layout(w, w)  # a plain tensor is not a packed one
+    assert not native.blocked_layout(pack(w[:96]), w[:96])  # 96 columns: not whole 64-column blocks
+
+
+def test_blocked_rows_do_not_depend_on_the_rest_of_the_step(native):
+    """Each output is one sum over K in order: a row's bits are the same alone or beside others,
+    and within a bf16 step of oneDNN's result for the same rows."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(23, 576, generator=g).bfloat16(), torch.randn(320, 576, generator=g).bfloat16()
+    residual = torch.randn(23, 320, generator=g).bfloat16()
+    packed = packed_for_blocked_kernel(native, w)
+    blocked = matmul_model(native, True, 128)
+    together = blocked.linear(x, packed, None, residual)
+    for first, count in ((0, 1), (5, 6), (11, 12)):
+        alone = blocked.linear(x[first:first + count], packed, None, residual[first:first + count])
+        assert torch.equal(alone, together[first:first + count])
+    onednn = matmul_model(native, True, 0).linear(x, packed, None, residual).float()
+    ulp = torch.finfo(torch.bfloat16).eps * onednn.abs().clamp_min(1e-30)
+    assert ((together.float() - onednn).abs() <= ulp).all()
 
 
 def test_plain_weights_go_to_torch_and_agree(native):

@@ -18,6 +18,14 @@ KERNEL_CHOICES = ("auto", "native", "torch")
 # oneDNN chooses its blocked weight layout for a row count; measured the same speed with the
 # layout for 1 row and for 64 from 1 to 128 rows, so one packing serves decode and prefill.
 PACK_FOR_ROWS = 64
+# Steps of up to this many rows read the packed weights with the native `blocked_linear`
+# (native/blocked_linear.h), larger ones run oneDNN's kernel. On a 2-core AMD EPYC (AVX512-BF16),
+# SmolLM2-135M's products took 0.47-0.6x oneDNN's time at 1-10 rows, 0.85-0.92x at 64, 0.94x at
+# 128 and 0.98-1.02x at 2,048. Where the CPU has AMX tiles oneDNN multiplies on them, so there
+# only the steps whose products are bound by reading the weights (a few rows) take the kernel.
+BLOCKED_ROWS = 128
+BLOCKED_ROWS_AMX = 16
+BLOCK_COLUMNS = 64  # of the packed layout `blocked_linear` reads; matrices of other widths run oneDNN's kernel
 
 
 def packs_weights(dtype: torch.dtype) -> bool:
@@ -30,6 +38,14 @@ def packs_weights(dtype: torch.dtype) -> bool:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """(N, K) plain -> the same matrix in oneDNN's blocked layout (an opaque tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+
+
+def blocked_rows(layouts_read: list[bool]) -> int:
+    """The most rows a step may have for `blocked_linear`: 0 unless every packed matrix of whole
+    64-column blocks is laid out as it reads."""
+    if not layouts_read or not all(layouts_read):
+        return 0
+    return BLOCKED_ROWS_AMX if torch.backends.cpu.get_cpu_capability() == "AMX" else BLOCKED_ROWS
 
 
 def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:
@@ -67,7 +83,16 @@ class NativeForward:
 
     def __init__(self, model: CausalLM, module) -> None:
         c, packed = model.config, packs_weights(model.embed.dtype)
-        matrix = pack if packed else (lambda weight: weight)
+        layouts_read: list[bool] = []  # per packed matrix: laid out as `blocked_linear` reads it
+
+        def matrix(weight: torch.Tensor) -> torch.Tensor:
+            if not packed:
+                return weight
+            packed_weight = pack(weight)
+            if weight.shape[0] % BLOCK_COLUMNS == 0 and weight.shape[1] % 2 == 0:
+                layouts_read.append(module.blocked_layout(packed_weight, weight))
+            return packed_weight
+
         matrices = []
         for layer in model.layers:
             plain = (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)
@@ -85,7 +110,8 @@ class NativeForward:
                   for layer, (qkv, o_proj, gate_up, down) in zip(model.layers, matrices, strict=True)]
         self._model = module.NativeModel(
             model.embed, model.norm.weight, lm_head, layers, model.rope.inv_freq, c.num_heads,
-            c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, packed)
+            c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, packed,
+            blocked_rows(layouts_read))
         self._threads: torch.Tensor | None = None  # the count a step follows, kept alive here
 
     def follow_threads(self, count) -> None:

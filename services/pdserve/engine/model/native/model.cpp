@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "attention.h"
+#include "blocked_linear.h"
 #include "elementwise.h"
 #include "linear.h"
 
@@ -26,15 +27,17 @@ inline void check_segments(const at::Tensor& segments, const at::Tensor& tables)
 
 struct Layer {
   at::Tensor input_norm, qkv, qkv_bias, o_proj, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
+  const bf16 *qkv_blocked, *o_blocked, *gate_up_blocked, *down_blocked;  // null: oneDNN's kernel only
 };
 
 class NativeModel {
  public:
   NativeModel(at::Tensor embed, at::Tensor final_norm, at::Tensor lm_head,
               std::vector<std::vector<c10::optional<at::Tensor>>> layers, at::Tensor inv_freq, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window, bool packed)
+              int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window, bool packed, int64_t blocked_rows)
       : embed_(embed), final_norm_(final_norm), lm_head_(lm_head), inv_freq_(inv_freq), num_heads_(num_heads),
-        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(float(eps)), window_(window), packed_(packed) {
+        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(float(eps)), window_(window), packed_(packed),
+        blocked_rows_(packed ? blocked_rows : 0) {
     TORCH_CHECK(embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16,
                 "native kernels run float32 or bfloat16 weights");
     TORCH_CHECK(head_dim % 32 == 0 && embed.size(1) % 16 == 0, "native kernels need head_dim % 32 == 0");
@@ -44,8 +47,14 @@ class NativeModel {
         if (!w[i].has_value()) return at::Tensor();
         return w[i]->layout() == at::kStrided ? w[i]->contiguous() : *w[i];
       };
-      layers_.push_back({get(0), get(1), get(2), get(3), get(4), get(5), get(6), get(7), get(8), get(9)});
+      Layer layer{get(0), get(1), get(2), get(3), get(4), get(5), get(6), get(7), get(8), get(9)};
+      layer.qkv_blocked = blocked(layer.qkv);
+      layer.o_blocked = blocked(layer.o_proj);
+      layer.gate_up_blocked = blocked(layer.gate_up);
+      layer.down_blocked = blocked(layer.down);
+      layers_.push_back(layer);
     }
+    lm_head_blocked_ = blocked(lm_head_);
   }
 
   // token_ids (T,) int64; segments (S, 4) int32 [q_start, q_len, start_pos, prompt]; tables (S, W)
@@ -70,7 +79,7 @@ class NativeModel {
   // x (M, K) . w (N, K)^T + bias + residual, through the same dispatch the layers use.
   at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                     const c10::optional<at::Tensor>& residual) const {
-    return linear_(x.contiguous(), w, bias.value_or(at::Tensor()), residual.value_or(at::Tensor()));
+    return linear_(x.contiguous(), w, blocked(w), bias.value_or(at::Tensor()), residual.value_or(at::Tensor()));
   }
 
  private:
@@ -94,7 +103,7 @@ class NativeModel {
     if (logit_rows.size(0) == 0) return at::empty({0, lm_head_.size(0)}, at::kFloat);
     follow_thread_count();
     at::Tensor last = norm<T>(h.index_select(0, logit_rows), final_norm_);
-    return linear_(last, lm_head_, at::Tensor(), at::Tensor()).to(at::kFloat);
+    return linear_(last, lm_head_, lm_head_blocked_, at::Tensor(), at::Tensor()).to(at::kFloat);
   }
 
   template <typename T>
@@ -102,16 +111,16 @@ class NativeModel {
                    const at::Tensor& token_rows, const at::Tensor& segments, const at::Tensor& tables,
                    const at::Tensor& kv) {
     const int64_t tokens = h.size(0), kvh = num_kv_heads_, hd = head_dim_;
-    at::Tensor qkv = linear_(norm<T>(h, w.input_norm), w.qkv, w.qkv_bias, at::Tensor());  // (T, (nh + 2 kvh) hd)
+    at::Tensor qkv = linear_(norm<T>(h, w.input_norm), w.qkv, w.qkv_blocked, w.qkv_bias, at::Tensor());  // (T, (nh + 2 kvh) hd)
     rope_and_store<T>(data<T>(qkv), tokens, num_heads_, kvh, hd, data<T>(cos), data<T>(sin), data<T>(kv), index,
                       kv.size(3), data<int64_t>(token_rows));
     at::Tensor attn = attention<T>(qkv, index, segments, tables, kv);
-    at::Tensor h2 = linear_(attn, w.o_proj, w.o_bias, h);
-    at::Tensor gate_up = linear_(norm<T>(h2, w.post_norm), w.gate_up, w.gate_up_bias, at::Tensor());
+    at::Tensor h2 = linear_(attn, w.o_proj, w.o_blocked, w.o_bias, h);
+    at::Tensor gate_up = linear_(norm<T>(h2, w.post_norm), w.gate_up, w.gate_up_blocked, w.gate_up_bias, at::Tensor());
     const int64_t inter = gate_up.size(1) / 2;
     at::Tensor act = at::empty({tokens, inter}, h.options());
     silu_mul<T>(data<T>(gate_up), tokens, inter, data<T>(act));
-    return linear_(act, w.down, w.down_bias, h2);
+    return linear_(act, w.down, w.down_blocked, w.down_bias, h2);
   }
 
   // In float32, chunks that start a sequence (no cached prefix, no window) go to torch's flash
@@ -154,13 +163,21 @@ class NativeModel {
     return out;
   }
 
-  // Packed weights (bf16) go to oneDNN's kernel with the residual fused; plain ones (float32)
-  // to `at::linear`.
-  at::Tensor linear_(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+  // Packed weights (bf16) go to oneDNN's kernel with the residual fused, or, for a step of at most
+  // `blocked_rows_` rows, to `blocked_linear` on the same bytes; plain ones (float32) to `at::linear`.
+  at::Tensor linear_(const at::Tensor& x, const at::Tensor& w, const bf16* blocked, const at::Tensor& bias,
                      const at::Tensor& residual) const {
+    if (blocked && x.size(0) <= blocked_rows_) return blocked_linear(x, blocked, w.size(0), bias, residual);
     if (packed_) return packed_linear(x, w, bias, residual);
     at::Tensor y = at::linear(x, w, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     return residual.defined() ? residual + y : y;
+  }
+
+  // Where `blocked_linear` may read `w` (kept alive by this model): packed weights only, when
+  // the Python side found oneDNN's layout the one it reads (`blocked_rows` > 0).
+  const bf16* blocked(const at::Tensor& w) const {
+    const bool fits = w.defined() && w.layout() != at::kStrided && w.size(0) % kBlockColumns == 0 && w.size(1) % 2 == 0;
+    return blocked_rows_ > 0 && fits ? packed_data(w) : nullptr;
   }
 
   void follow_thread_count() const {
@@ -189,6 +206,8 @@ class NativeModel {
   float eps_;
   int64_t window_;
   bool packed_;
+  int64_t blocked_rows_;  // steps of at most this many rows read packed weights with `blocked_linear`
+  const bf16* lm_head_blocked_ = nullptr;
 };
 
 // q (T, >= nh * hd) rows (q heads first), kv (N, L, 2, tpb, kvh, hd) -> (T, nh * hd).
@@ -214,9 +233,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& kv, int64_t layer, c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &pdserve::attention);
+  m.def("blocked_layout", &pdserve::blocked_layout);
   pybind11::class_<pdserve::NativeModel>(m, "NativeModel")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, std::vector<std::vector<c10::optional<at::Tensor>>>,
-                          at::Tensor, int64_t, int64_t, int64_t, double, int64_t, bool>())
+                          at::Tensor, int64_t, int64_t, int64_t, double, int64_t, bool, int64_t>())
       .def("forward", &pdserve::NativeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("follow_threads", &pdserve::NativeModel::follow_threads)
       .def("linear", &pdserve::NativeModel::linear, pybind11::call_guard<pybind11::gil_scoped_release>());

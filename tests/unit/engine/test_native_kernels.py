@@ -26,6 +26,11 @@ def native():
 
 
 def matmul_model(native, packed: bool, blocked_rows: int = 0):
+    """A weightless model for its `linear`; with `blocked_rows` only where oneDNN packs in the
+    layout `blocked_linear` reads (the model trusts the check `NativeForward` makes at load)."""
+    if blocked_rows:
+        w = torch.randn(128, 64).bfloat16()
+        packed_for_blocked_kernel(native, w)
     e = torch.zeros(4, 64, dtype=torch.bfloat16)
     return native.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, [], torch.ones(16), 1, 1, 64, 1e-5, 0,
                               packed, blocked_rows)

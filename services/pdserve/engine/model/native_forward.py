@@ -21,10 +21,12 @@ PACK_FOR_ROWS = 64
 # Steps of up to this many rows read the packed weights with the native `blocked_linear`
 # (native/blocked_linear.h), larger ones run oneDNN's kernel. On a 2-core AMD EPYC (AVX512-BF16),
 # SmolLM2-135M's products took 0.47-0.6x oneDNN's time at 1-10 rows, 0.85-0.92x at 64, 0.94x at
-# 128 and 0.98-1.02x at 2,048. Where the CPU has AMX tiles oneDNN multiplies on them, so there
-# only the steps whose products are bound by reading the weights (a few rows) take the kernel.
+# 128 and 0.98-1.02x at 2,048. Where the CPU has AMX tiles oneDNN multiplies on them and packs in
+# blocks of 32 columns; a variant of the kernel reading those took, on a 2-core Xeon with AMX,
+# 0.91-0.99x oneDNN's time at 1 row (both bound by reading the weights), 1.2-1.5x at 2-8 rows and
+# 2-4.9x at 16-64: there every step stays on oneDNN (one kernel, so a prompt's bits do not depend
+# on how it is chunked either).
 BLOCKED_ROWS = 128
-BLOCKED_ROWS_AMX = 16
 BLOCK_COLUMNS = 64  # of the packed layout `blocked_linear` reads; matrices of other widths run oneDNN's kernel
 
 
@@ -41,11 +43,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_rows(layouts_read: list[bool]) -> int:
-    """The most rows a step may have for `blocked_linear`: 0 unless every packed matrix of whole
-    64-column blocks is laid out as it reads."""
-    if not layouts_read or not all(layouts_read):
+    """The most rows a step may have for `blocked_linear`: 0 on CPUs with AMX tiles, or unless
+    every packed matrix of whole 64-column blocks is laid out as it reads."""
+    if not layouts_read or not all(layouts_read) or torch.backends.cpu.get_cpu_capability() == "AMX":
         return 0
-    return BLOCKED_ROWS_AMX if torch.backends.cpu.get_cpu_capability() == "AMX" else BLOCKED_ROWS
+    return BLOCKED_ROWS
 
 
 def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:

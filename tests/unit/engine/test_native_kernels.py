@@ -115,7 +115,7 @@ def reference_attention(q, kv, layer, segments, tables, num_heads, window):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("num_heads, kvh, hd", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("num_heads, kvh, hd", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 96), (4, 2, 256)])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("tpb", [4, 32])
 def test_paged_attention_equals_reference(native, dtype, tol, num_heads, kvh, hd, window, tpb):

@@ -42,12 +42,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
 
 
+def blocked_kernel_may_run() -> bool:
+    """False on CPUs with AMX tiles, where every product stays on oneDNN (see BLOCKED_ROWS)."""
+    return torch.backends.cpu.get_cpu_capability() != "AMX"
+
+
 def blocked_rows(layouts_read: list[bool]) -> int:
-    """The most rows a step may have for `blocked_linear`: 0 on CPUs with AMX tiles, or unless
-    every packed matrix of whole 64-column blocks is laid out as it reads."""
-    if not layouts_read or not all(layouts_read) or torch.backends.cpu.get_cpu_capability() == "AMX":
-        return 0
-    return BLOCKED_ROWS
+    """The most rows a step may have for `blocked_linear`: 0 unless every packed matrix of whole
+    64-column blocks is laid out as it reads (none are checked where it may not run)."""
+    return BLOCKED_ROWS if layouts_read and all(layouts_read) else 0
 
 
 def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:
@@ -85,13 +88,14 @@ class NativeForward:
 
     def __init__(self, model: CausalLM, module) -> None:
         c, packed = model.config, packs_weights(model.embed.dtype)
+        checks_layout = packed and blocked_kernel_may_run()
         layouts_read: list[bool] = []  # per packed matrix: laid out as `blocked_linear` reads it
 
         def matrix(weight: torch.Tensor) -> torch.Tensor:
             if not packed:
                 return weight
             packed_weight = pack(weight)
-            if weight.shape[0] % BLOCK_COLUMNS == 0 and weight.shape[1] % 2 == 0:
+            if checks_layout and weight.shape[0] % BLOCK_COLUMNS == 0 and weight.shape[1] % 2 == 0:
                 layouts_read.append(module.blocked_layout(packed_weight, weight))
             return packed_weight
 

@@ -33,7 +33,8 @@ from pdserve.common.settings import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("model.cpp", "attention.h", "prefill_attention.h", "elementwise.h", "linear.h", "blocked_linear.h", "vec.h")
+SOURCES = ("model.cpp", "attention.h", "amx_attention.h", "prefill_attention.h", "elementwise.h", "linear.h",
+           "blocked_linear.h", "vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 BUILD_WAIT_S = 600.0  # for another process's build of the same kernels, then the torch path
 _loaded: dict[str, ModuleType | None] = {}

@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "amx_attention.h"
 #include "prefill_attention.h"
 #include "vec.h"
 
@@ -167,12 +168,21 @@ struct TileAttention {
   }
 
 #if defined(__AVX512BF16__)
-  // Tiles of several query tokens in bf16: per KV head, small matrix products on packed K/V.
+  // Tiles of several query tokens in bf16: per KV head, small matrix products on packed K/V
+  // (AMX tile products where the CPU has them and the system lends them).
   void run_packed(const WorkItem& item) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_permitted()) return run_packed_on<AmxTileAttention<CH>>(item);
+#endif
+    run_packed_on<Bf16TileAttention<CH>>(item);
+  }
+
+  template <typename Tile>
+  void run_packed_on(const WorkItem& item) {
     const Segment seg = a.segments[item.segment];
     const KvLayout& L = a.layout;
     const int64_t tokens = item.t1 - item.t0, rows = tokens * group;
-    Bf16TileAttention<CH> tile(reinterpret_cast<const bf16*>(a.kv) + a.layer * 2 * L.kind_stride(), L.block_stride(),
+    Tile tile(reinterpret_cast<const bf16*>(a.kv) + a.layer * 2 * L.kind_stride(), L.block_stride(),
                                L.num_kv_heads * HD, L.kind_stride(), a.scale, a.window);
     std::vector<const bf16*> q_rows(rows);
     std::vector<int64_t> positions(rows);

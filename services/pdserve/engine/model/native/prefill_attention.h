@@ -80,24 +80,65 @@ struct Bf16TileAttention {
   }
 
   // Keys key .. key + n - 1; the rest of the last chunk is zero (its scores are masked, and a
-  // zero probability times a zero V row adds nothing).
+  // zero probability times a zero V row adds nothing). K: 16 keys' pairs at a time, transposed
+  // 16 x 16; V: two keys' rows interleaved.
   void pack(const int32_t* table, int64_t tpb, int64_t key, int64_t n, int64_t kv_head) {
     const int64_t padded = (n + kChunk - 1) / kChunk * kChunk;
-    for (int64_t j = 0; j < n; ++j) {
+    auto k_row = [&](int64_t j) {
       const int64_t pos = key + j;
-      const bf16* k = kv + int64_t(table[pos / tpb]) * block_stride + (pos % tpb) * key_stride + kv_head * HD;
-      const bf16* v = k + kind_stride;
-      uint32_t kpair[HD / 2];
-      std::memcpy(kpair, k, HD * sizeof(bf16));
-      for (int64_t dp = 0; dp < HD / 2; ++dp) kp[dp * kBlock + j] = kpair[dp];
-      uint16_t* vdst = reinterpret_cast<uint16_t*>(&vp[(j / 2) * HD]) + (j % 2);
-      for (int64_t d = 0; d < HD; ++d) vdst[2 * d] = v[d].bits;
+      return kv + int64_t(table[pos / tpb]) * block_stride + (pos % tpb) * key_stride + kv_head * HD;
+    };
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+      const bf16* rows[16];
+      for (int i = 0; i < 16; ++i) rows[i] = j0 + i < n ? k_row(j0 + i) : nullptr;
+      for (int64_t t = 0; t < HD / 32; ++t) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = rows[i] ? _mm512_loadu_si512(rows[i] + 32 * t) : _mm512_setzero_si512();
+        transpose16x16(r);
+        for (int c = 0; c < 16; ++c) _mm512_storeu_si512(&kp[(16 * t + c) * kBlock + j0], r[c]);
+      }
     }
-    for (int64_t j = n; j < padded; ++j) {
-      for (int64_t dp = 0; dp < HD / 2; ++dp) kp[dp * kBlock + j] = 0u;
-      uint16_t* vdst = reinterpret_cast<uint16_t*>(&vp[(j / 2) * HD]) + (j % 2);
-      for (int64_t d = 0; d < HD; ++d) vdst[2 * d] = 0;
+    const __m512i first = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006,
+                                            0x270007, 0x280008, 0x290009, 0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d,
+                                            0x2e000e, 0x2f000f);  // a[d] then b[d], d = 0 .. 15
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < padded; j += 2) {
+      const bf16* a = j < n ? k_row(j) + kind_stride : nullptr;
+      const bf16* b = j + 1 < n ? k_row(j + 1) + kind_stride : nullptr;
+      uint16_t* dst = reinterpret_cast<uint16_t*>(&vp[(j / 2) * HD]);
+      for (int64_t c = 0; c < HD / 32; ++c) {
+        const __m512i x = a ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
+        const __m512i y = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + 64 * c, _mm512_permutex2var_epi16(x, first, y));
+        _mm512_storeu_si512(dst + 64 * c + 32, _mm512_permutex2var_epi16(x, second, y));
+      }
     }
+  }
+
+  // r[i] holds row i of a 16 x 16 matrix of 32-bit elements; afterwards r[c] holds column c.
+  static void transpose16x16(__m512i* r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // r[i + k], lane L: column 4L + k of rows i .. i + 3
+      r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+      r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+      r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+      r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int k = 0; k < 4; ++k) {
+      const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44);
+      const __m512i b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xee);
+      const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+      const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xee);
+      t[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+      t[4 + k] = _mm512_shuffle_i32x4(a, c, 0xdd);
+      t[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+      t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xdd);
+    }
+    for (int c = 0; c < 16; ++c) r[c] = t[c];
   }
 
   // Rows r .. r + NR through one block together: each K and V pair vector is loaded once for all

@@ -6,8 +6,7 @@ they lie in the paged cache (the worker's path); torch's `scaled_dot_product_att
 each prompt's K and V gathered into contiguous tensors (gathering included in its time). The two
 alternate `--rounds` times; each figure is one layer's time (mean of `--repeat` calls) scaled to
 `--layers`; the JSON holds every round's figures, their medians and the ratio of the medians. On a CPU with AMX
-tiles, torch's kernel multiplies on them while the native kernel uses AVX512-BF16 dot products:
-this is the measurement that says which is faster there.
+tiles both kernels multiply on them; elsewhere the native one uses AVX512-BF16 dot products.
 
     .venv/bin/python benchmarks/prefill_attention.py --prompt-len 1024 --json attn.json
 """

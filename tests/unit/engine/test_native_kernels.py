@@ -25,6 +25,21 @@ def native():
     return module
 
 
+@pytest.fixture
+def tile_kernel(native, request):
+    """bf16 prompt tiles on AMX tile products ("amx"; skipped where the CPU or the build has
+    none) or kept off them ("no-amx": AVX512-BF16 dot products where the CPU has those)."""
+    amx = request.param == "amx"
+    if native.use_amx_attention(amx) != amx:
+        native.use_amx_attention(True)
+        pytest.skip("no AMX tiles for attention on this CPU")
+    yield request.param
+    native.use_amx_attention(True)
+
+
+BOTH_TILE_KERNELS = [(torch.float32, 1e-5, "no-amx"), (torch.bfloat16, 2e-2, "amx"), (torch.bfloat16, 2e-2, "no-amx")]
+
+
 def matmul_model(native, packed: bool, blocked_rows: int = 0):
     """A weightless model for its `linear`; with `blocked_rows` only where oneDNN packs in the
     layout `blocked_linear` reads (the model trusts the check `NativeForward` makes at load)."""
@@ -114,11 +129,11 @@ def reference_attention(q, kv, layer, segments, tables, num_heads, window):
     return out
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tol, tile_kernel", BOTH_TILE_KERNELS, indirect=["tile_kernel"])
 @pytest.mark.parametrize("num_heads, kvh, hd", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 96), (4, 2, 256)])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("tpb", [4, 32])
-def test_paged_attention_equals_reference(native, dtype, tol, num_heads, kvh, hd, window, tpb):
+def test_paged_attention_equals_reference(native, dtype, tol, tile_kernel, num_heads, kvh, hd, window, tpb):
     g = torch.Generator().manual_seed(num_heads + hd + window)
     layers = 2
     kv = torch.randn(40, layers, 2, tpb, kvh, hd, generator=g).to(dtype)
@@ -149,8 +164,8 @@ def test_decode_rows_of_any_group_size_equal_reference(native, dtype, tol, num_h
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_long_chunks_over_a_prefix_span_several_tiles(native, dtype, tol):
+@pytest.mark.parametrize("dtype, tol, tile_kernel", BOTH_TILE_KERNELS, indirect=["tile_kernel"])
+def test_long_chunks_over_a_prefix_span_several_tiles(native, dtype, tol, tile_kernel):
     """150 new tokens over a 37-token prefix, and 130 fresh ones: more than one query tile each."""
     g = torch.Generator().manual_seed(7)
     kvh, hd, num_heads, tpb = 2, 64, 6, 16
@@ -163,8 +178,9 @@ def test_long_chunks_over_a_prefix_span_several_tiles(native, dtype, tol):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("tile_kernel", ["amx", "no-amx"], indirect=True)
 @pytest.mark.parametrize("window", [0, 40])
-def test_bf16_rows_are_the_same_bits_however_the_prompt_is_split(native, window):
+def test_bf16_rows_are_the_same_bits_however_the_prompt_is_split(native, window, tile_kernel):
     """A 300-token prompt spans three 128-key softmax blocks; behind a 40-token window most rows
     see none of a block their tile visits. Whole, or as chunks of 150 + 150 and 7 + 293 over
     their cached part, every row agrees with the reference and comes out the same bits."""

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -27,6 +28,12 @@ namespace pdserve {
 inline bool amx_permitted() {
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return permitted;
+}
+
+// Cleared to keep bf16 prompt tiles on the AVX512-BF16 kernel (its tests on AMX CPUs).
+inline std::atomic<bool>& amx_attention_wanted() {
+  static std::atomic<bool> wanted{true};
+  return wanted;
 }
 
 // GCC's tile intrinsics name their tiles by literal tokens: these take the number as a value

@@ -68,6 +68,17 @@ constexpr bool kHasPackedAttention = true;
 constexpr bool kHasPackedAttention = false;
 #endif
 
+// Whether bf16 prompt tiles run on AMX tile products from now on: where the kernels were built
+// for AMX and the system lends its tiles, unless `wanted` is false (then on AVX512-BF16).
+inline bool use_amx_attention(bool wanted) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  amx_attention_wanted() = wanted;
+  return wanted && amx_permitted();
+#else
+  return false;
+#endif
+}
+
 struct WorkItem {
   int32_t segment, t0, t1;  // query tokens [t0, t1) of the segment
 };
@@ -172,7 +183,8 @@ struct TileAttention {
   // (AMX tile products where the CPU has them and the system lends them).
   void run_packed(const WorkItem& item) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx_permitted()) return run_packed_on<AmxTileAttention<CH>>(item);
+    if (amx_attention_wanted().load(std::memory_order_relaxed) && amx_permitted())
+      return run_packed_on<AmxTileAttention<CH>>(item);
 #endif
     run_packed_on<Bf16TileAttention<CH>>(item);
   }

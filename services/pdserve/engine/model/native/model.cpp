@@ -234,6 +234,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& kv, int64_t layer, c
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &pdserve::attention);
   m.def("blocked_layout", &pdserve::blocked_layout);
+  m.def("use_amx_attention", &pdserve::use_amx_attention);
   pybind11::class_<pdserve::NativeModel>(m, "NativeModel")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, std::vector<std::vector<c10::optional<at::Tensor>>>,
                           at::Tensor, int64_t, int64_t, int64_t, double, int64_t, bool, int64_t>())

@@ -53,10 +53,12 @@ inline void tile_store(int t, void* base, int64_t stride) {
 }
 // Sums 0 and 1 += queries in tile 4 + t times keys in tiles 2 and 3.
 inline void score_products(int t) {
-#define PDSERVE_SCORE(n) \
-  case n: _tile_dpbf16ps(0, n, 2); _tile_dpbf16ps(1, n, 3); break;
-  switch (4 + t) { PDSERVE_TILE_CASES(PDSERVE_SCORE) }
-#undef PDSERVE_SCORE
+  switch (t) {
+    case 0: _tile_dpbf16ps(0, 4, 2); _tile_dpbf16ps(1, 4, 3); break;
+    case 1: _tile_dpbf16ps(0, 5, 2); _tile_dpbf16ps(1, 5, 3); break;
+    case 2: _tile_dpbf16ps(0, 6, 2); _tile_dpbf16ps(1, 6, 3); break;
+    case 3: _tile_dpbf16ps(0, 7, 2); _tile_dpbf16ps(1, 7, 3); break;
+  }
 }
 // Sum 4 + q += probabilities in tile 2 times values in tile q % 2.
 inline void value_product(int q) {
@@ -99,7 +101,7 @@ struct AmxTileAttention : Bf16TileAttention<CH> {
   static constexpr int64_t kRows = 16;  // query rows per tile product
   std::vector<bf16> q;                  // (rows padded to 16, HD): the tile's queries, padding rows zero
   std::vector<int64_t> pos;             // their positions, -1 for padding (it sees no key)
-  alignas(64) float s[kRows][kBlock];   // raw q.k, then scaled and masked
+  alignas(64) float s[kRows][kBlock];   // raw q.k (the exponent's FMA scales them)
   alignas(64) uint16_t p[kRows][kBlock];  // bf16 probabilities
 
   using Base::Base;

@@ -71,19 +71,13 @@ inline void value_product(int q) {
 }
 #undef PDSERVE_TILE_CASES
 
-// 2^x for finite x as 2^n * 2^f (n the nearest integer, |f| <= 1/2, 2^f by a degree-5
-// polynomial fitted for relative error: 2.4e-7 evaluated in float): nine instructions, without
-// exp2_nonpositive's clamp, as no -inf reaches it here (masked lanes are zeroed after).
+// 2^x for finite x, 2^f by a degree-5 polynomial fitted for relative error (2.4e-7 evaluated in
+// float): nine instructions, without exp2_nonpositive's clamp, as no -inf reaches it here
+// (masked lanes are zeroed after).
 inline __m512 exp2_finite(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.32764717371434e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675541540087755e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713276094129e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022119720074547e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469670620418e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000071655432f));
-  return _mm512_scalef_ps(p, n);
+  static constexpr float fit5[] = {1.32764717371434e-3f, 9.675541540087755e-3f, 5.550713276094129e-2f,
+                                   2.4022119720074547e-1f, 6.931469670620418e-1f, 1.000000071655432f};
+  return exp2_by(x, fit5);
 }
 
 struct alignas(64) TileConfig {  // palette 1, the first eight tiles 16 rows of 64 bytes

@@ -10,6 +10,7 @@
 #pragma once
 #if defined(__AVX512BF16__)
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -18,22 +19,25 @@
 
 namespace pdserve {
 
-// 2^x for x <= 0 as 2^n * 2^f (n the nearest integer to x, |f| <= 1/2, 2^f by its degree-6
-// Taylor polynomial: relative error under 1e-6 down to 2^-24, 4e-6 near float's smallest):
-// ten instructions against exp16's seventeen. x is raised to -160 first, where the result is
-// already 0: -inf would make f NaN, and scalef of a NaN is NaN by Intel's rules.
-inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
+// 2^x as 2^n * 2^f, n the nearest integer to x and |f| <= 1/2, 2^f by the polynomial whose
+// coefficients `c` are listed from the highest degree down.
+template <size_t N>
+inline __m512 exp2_by(__m512 x, const float (&c)[N]) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
   return _mm512_scalef_ps(p, n);
+}
+
+// 2^x for x <= 0, 2^f by its degree-6 Taylor polynomial (relative error under 1e-6 down to
+// 2^-24, 4e-6 near float's smallest): ten instructions against exp16's seventeen. x is raised
+// to -160 first, where the result is already 0: -inf would make f NaN, and scalef of a NaN is
+// NaN by Intel's rules.
+inline __m512 exp2_nonpositive(__m512 x) {
+  static constexpr float taylor6[] = {1.5403530393381606e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f,
+                                      5.5504108664821580e-2f, 2.4022650695910071e-1f, 6.9314718055994531e-1f, 1.0f};
+  return exp2_by(_mm512_max_ps(x, _mm512_set1_ps(-160.0f)), taylor6);
 }
 
 template <int CH>

@@ -179,9 +179,13 @@ async def _decide(workload: Workload, pool: WorkerPool, index: PrefixIndex, shap
         hits += decision.decode.overlap.num_blocks
         for leg in filter(None, (decision.decode, decision.prefill)):  # booked as RoutedBackend books them
             handle = pool.handles[leg.worker]
-            in_flight.append((handle, pool.dispatch(handle, prompt.num_tokens, decision.num_prompt_blocks)))
+            in_flight.append((handle, pool.dispatch(handle, prompt.num_tokens, decision.num_prompt_blocks),
+                              prompt.block_hashes))
+            index.hold(leg.worker, prompt.block_hashes)
         while len(in_flight) > args.in_flight_per_worker * len(workers):
-            pool.finish(*in_flight.popleft())
+            handle, entry, keys = in_flight.popleft()
+            pool.finish(handle, entry)
+            index.release(handle.address, keys)
         if i % args.poll_every == args.poll_every - 1:
             await asyncio.gather(*(pool.poll(h) for h in pool.handles.values()))
     num_prompt_blocks = sum(len(p.block_hashes) for p in workload.prompts)

@@ -10,7 +10,12 @@ Per worker the index follows the worker's KV event stream. Contracts:
   snapshot and skipped; one above it is a gap, reported to the caller (who resyncs);
 - `mark_unsynced` keeps the worker's entries as an estimate (a cache we lost track of is
   unknown, not empty) but refuses events until the next snapshot;
-- `remove_worker` drops every entry of the worker.
+- `remove_worker` drops every entry of the worker;
+- `hold` adds a dispatched request's keys to its worker's overlaps, after the run the worker's
+  events gave, until `release` (the router calls it when the request no longer holds them): a
+  burst of prompts sharing a prefix finds it where the first of them went, before that worker
+  has stored it and said so (SGLang's router inserts a prompt at dispatch, Dynamo's
+  approximate indexer predicts from its routing decisions).
 
 Layout, for a decision at cluster size (see benchmarks/router_scale.py): worker number i (each
 worker with a part has one) owns bit i of a mask and bits 24i..24i+23 of a packed counter.
@@ -25,6 +30,7 @@ run. Equal overlaps are one shared object. Per worker a set of its keys makes dr
 its own blocks, not the index's.
 """
 import enum
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache, reduce
@@ -82,6 +88,7 @@ class PrefixIndex:
         self._worker_of_number: dict[int, WorkerId] = {}
         self._bit_of: dict[WorkerId, int] = {}
         self._synced: set[WorkerId] = set()
+        self._held: dict[WorkerId, Counter[BlockHash]] = {}  # keys of requests in flight, by worker
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -94,7 +101,20 @@ class PrefixIndex:
         for number, num_blocks, num_host, num_disk in self._runs(block_hashes, self._drops(block_hashes, wanted)):
             worker = self._worker_of_number[number]
             result[worker] = _overlap(num_blocks - num_host - num_disk, num_host, num_disk, worker in self._synced)
+        for worker in self._held.keys() & result.keys():
+            result[worker] = self._with_held(result[worker], block_hashes, self._held[worker])
         return result
+
+    @staticmethod
+    def _with_held(overlap: Overlap, block_hashes: Sequence[BlockHash], held: Counter[BlockHash]) -> Overlap:
+        """`overlap` extended by the keys that follow its run and that requests in flight hold."""
+        end = overlap.num_blocks
+        while end < len(block_hashes) and block_hashes[end] in held:
+            end += 1
+        if end == overlap.num_blocks:
+            return overlap
+        return _overlap(overlap.num_device + end - overlap.num_blocks, overlap.num_host, overlap.num_disk,
+                        overlap.is_synced)
 
     def is_synced(self, worker: WorkerId) -> bool:
         return worker in self._synced
@@ -108,6 +128,24 @@ class PrefixIndex:
         return None if part is None else self._tier_in(part, block_hash)
 
     # ---- updates -------------------------------------------------------------------------------
+
+    def hold(self, worker: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
+        """A request dispatched to `worker` will compute or receive `block_hashes` and hold them."""
+        if block_hashes:
+            self._held.setdefault(worker, Counter()).update(block_hashes)
+
+    def release(self, worker: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
+        """Undo one `hold` of the same keys (none left: nothing; the worker's events tell the rest)."""
+        held = self._held.get(worker)
+        if held is None:
+            return
+        for block_hash in block_hashes:
+            if held[block_hash] <= 1:
+                held.pop(block_hash, None)
+            else:
+                held[block_hash] -= 1
+        if not held:
+            del self._held[worker]
 
     def load_snapshot(self, worker: WorkerId, blocks: Iterable[tuple[BlockHash, Tier]], next_seq: int) -> None:
         """Replace the worker's part with `blocks`; it reflects every event before `next_seq`."""
@@ -137,6 +175,7 @@ class PrefixIndex:
         self._synced.discard(worker)
 
     def remove_worker(self, worker: WorkerId) -> None:
+        self._held.pop(worker, None)
         part = self._parts.pop(worker, None)
         if part is None:
             return

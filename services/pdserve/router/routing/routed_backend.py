@@ -8,7 +8,8 @@ Contracts, beyond `GenerateBackend`'s:
 - a request whose decode worker becomes unreachable mid-stream is migrated (`migration.py`):
   continued on another decode worker from the tokens already streamed, up to the policy's limit;
 - every dispatch counts on its workers' load until the request ends (its prefill part until
-  the first output), so the next decision sees it before the workers report it;
+  the first output), so the next decision sees it before the workers report it; its prompt's
+  keys count on their overlaps (`PrefixIndex.hold`) for as long;
 - each decision is logged and kept for `describe_route` (the HTTP layer's response header).
 """
 import logging
@@ -53,6 +54,7 @@ class RoutedBackend:
         self._info = info
         self._decisions: OrderedDict[RequestId, RouteDecision] = OrderedDict()
         self._live: dict[RequestId, tuple[RequestId, RouteDecision]] = {}  # client's id -> (worker's id, route)
+        self._prefills_held: set[Dispatch] = set()  # prefill legs whose load and keys are still on their worker
         self._migration = migration
 
     async def generate(self, request: GenerationRequest, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -70,7 +72,7 @@ class RoutedBackend:
             self._note(request.request_id, decision)
             has_output = False
             try:
-                async with aclosing(self._dispatch(attempt, decision, request.request_id)) as outputs:
+                async with aclosing(self._dispatch(attempt, keys, decision, request.request_id)) as outputs:
                     async for output in outputs:
                         has_output = True
                         if attempt is not request:
@@ -98,17 +100,22 @@ class RoutedBackend:
                             "most %d)", request.request_id, worker, len(progress.token_ids), exc.reason,
                             progress.num_migrations, self._migration.limit)
 
-    async def _dispatch(self, request: GenerationRequest, decision: RouteDecision,
+    async def _dispatch(self, request: GenerationRequest, keys: Sequence[BlockHash], decision: RouteDecision,
                         client_id: RequestId) -> AsyncIterator[RequestOutput]:
-        """Relay the decode worker's stream, with the decision's load on its workers meanwhile.
-        `client_id`: the id the client knows the request by (`request` may be a continuation)."""
-        pool, tpb = self._pool, self._info.tokens_per_block
+        """Relay the decode worker's stream, with the decision's load and the prompt's `keys` on
+        its workers meanwhile. `client_id`: the id the client knows the request by (`request`
+        may be a continuation)."""
+        pool, tpb, index = self._pool, self._info.tokens_per_block, self._cluster.index
         decode = pool.handles[decision.decode.worker]
         prefill = pool.handles[decision.prefill.worker] if decision.prefill else None
         prefiller_leg = decision.prefill or decision.decode
         num_new_tokens = max(len(request.prompt_token_ids) - prefiller_leg.overlap.num_blocks * tpb, 0)
         decode_load = pool.dispatch(decode, num_new_tokens if prefill is None else 0, decision.num_prompt_blocks)
         prefill_load = pool.dispatch(prefill, num_new_tokens, decision.num_prompt_blocks) if prefill else None
+        index.hold(decode.address, keys)
+        if prefill is not None and prefill_load is not None:
+            index.hold(prefill.address, keys)
+            self._prefills_held.add(prefill_load)
         self._live[client_id] = (request.request_id, decision)
         try:
             async with aclosing(decode.client.generate(request, prefill.address if prefill else None)) as outputs:
@@ -117,17 +124,21 @@ class RoutedBackend:
                     if is_first:  # the prompt is prefilled
                         is_first = False
                         pool.prefill_done(decode, decode_load)
-                        self._finish(prefill, prefill_load)
+                        self._finish(prefill, prefill_load, keys)
                         self._note_prefill_path(client_id, decision, output.prefilled_by)
                     yield output
         finally:
             self._live.pop(client_id, None)
             pool.finish(decode, decode_load)
-            self._finish(prefill, prefill_load)
+            index.release(decode.address, keys)
+            self._finish(prefill, prefill_load, keys)
 
-    def _finish(self, handle: WorkerHandle | None, entry: Dispatch | None) -> None:
-        if handle is not None and entry is not None:
+    def _finish(self, handle: WorkerHandle | None, entry: Dispatch | None, keys: Sequence[BlockHash]) -> None:
+        """The prefill leg's end (at the first output, or the request's end if none came): once."""
+        if handle is not None and entry is not None and entry in self._prefills_held:
+            self._prefills_held.discard(entry)
             self._pool.finish(handle, entry)
+            self._cluster.index.release(handle.address, keys)
 
     def _note(self, request_id: RequestId, decision: RouteDecision) -> None:
         counters = self._cluster.counters

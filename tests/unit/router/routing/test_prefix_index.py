@@ -103,3 +103,29 @@ def test_another_tenants_salt_never_overlaps() -> None:
     assert index.overlaps(same_tenant, [A]) == {A: Overlap(num_device=5)}
     assert index.overlaps(other_tenant, [A]) == {A: Overlap()}
     assert index.overlaps(KEYS, [A]) == {A: Overlap()}  # no salt is a namespace of its own
+
+
+def test_held_keys_extend_a_workers_run_until_each_hold_is_released() -> None:
+    """A dispatched prompt's keys count as the worker's device blocks after the run its events
+    gave, once per hold; released, only the events' run is left."""
+    index = synced_index(A, B)
+    index.apply(A, [stored(0, KEYS[:2], Tier.HOST)])
+    index.hold(A, KEYS[:4])
+    index.hold(A, KEYS[:3])
+    index.hold(B, KEYS[1:5])  # no run from block 0: nothing counts
+    assert index.overlaps(KEYS, [A, B]) == {A: Overlap(num_device=2, num_host=2), B: Overlap()}
+    index.release(A, KEYS[:4])
+    assert index.overlaps(KEYS, [A]) == {A: Overlap(num_device=1, num_host=2)}
+    index.release(A, KEYS[:3])
+    index.release(A, KEYS[:3])  # one release too many changes nothing
+    assert index.overlaps(KEYS, [A, B]) == {A: Overlap(num_host=2), B: Overlap()}
+
+
+def test_holds_on_an_unsynced_or_removed_worker() -> None:
+    index = synced_index(A)
+    index.hold(B, KEYS[:2])
+    assert index.overlaps(KEYS, [B]) == {B: Overlap(num_device=2, is_synced=False)}
+    index.hold(A, KEYS[:3])
+    index.remove_worker(A)
+    index.release(A, KEYS[:3])
+    assert index.overlaps(KEYS, [A]) == {A: Overlap(is_synced=False)}

@@ -174,6 +174,37 @@ def test_dispatched_load_counts_until_the_request_ends_its_prefill_part_until_th
     asyncio.run(scenario())
 
 
+def test_a_prompts_keys_count_on_its_workers_overlaps_as_long_as_its_load() -> None:
+    """While its stream runs, the prompt's 4 full blocks count as held by the decode worker,
+    and by the prefill worker until the first output: the next prompt sharing that prefix
+    sees it there before any event says so."""
+    p, d = WorkerId("p:1"), WorkerId("d:2")
+    seen: list[dict[WorkerId, int]] = []
+    index = []  # the backend's prefix index, once it exists
+
+    def held() -> dict[WorkerId, int]:
+        keys = prompt_block_keys(request(), TPB)
+        return {w: o.num_device for w, o in index[0].overlaps(keys, [p, d]).items()}
+
+    class Watched(FakeWorker):
+        async def generate(self, request: GenerationRequest, prefill_worker: str | None = None):
+            seen.append(held())  # dispatched, nothing answered yet
+            async for output in super().generate(request, prefill_worker):
+                yield output
+
+    workers = {"p:1": FakeWorker("p:1", info(WorkerRole.PREFILL)), "d:2": Watched("d:2", info(WorkerRole.DECODE))}
+
+    async def scenario() -> None:
+        backend = await routed(workers)
+        index.append(backend._cluster.index)
+        async for _ in backend.generate(request()):
+            seen.append(held())
+        seen.append(held())
+        assert seen == [{p: 4, d: 4}] + [{p: 0, d: 4}] * 2 + [{p: 0, d: 0}]
+
+    asyncio.run(scenario())
+
+
 def test_stats_sum_the_workers_in_rotation() -> None:
     workers = {"a:1": FakeWorker("a:1", info(), stats(running=1, used=5)),
                "b:2": FakeWorker("b:2", info(), stats(waiting=2, used=7, queued=30))}

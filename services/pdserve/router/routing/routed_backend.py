@@ -54,7 +54,6 @@ class RoutedBackend:
         self._info = info
         self._decisions: OrderedDict[RequestId, RouteDecision] = OrderedDict()
         self._live: dict[RequestId, tuple[RequestId, RouteDecision]] = {}  # client's id -> (worker's id, route)
-        self._prefills_held: set[Dispatch] = set()  # prefill legs whose load and keys are still on their worker
         self._migration = migration
 
     async def generate(self, request: GenerationRequest, session_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -113,9 +112,8 @@ class RoutedBackend:
         decode_load = pool.dispatch(decode, num_new_tokens if prefill is None else 0, decision.num_prompt_blocks)
         prefill_load = pool.dispatch(prefill, num_new_tokens, decision.num_prompt_blocks) if prefill else None
         index.hold(decode.address, keys)
-        if prefill is not None and prefill_load is not None:
+        if prefill is not None:
             index.hold(prefill.address, keys)
-            self._prefills_held.add(prefill_load)
         self._live[client_id] = (request.request_id, decision)
         try:
             async with aclosing(decode.client.generate(request, prefill.address if prefill else None)) as outputs:
@@ -125,6 +123,7 @@ class RoutedBackend:
                         is_first = False
                         pool.prefill_done(decode, decode_load)
                         self._finish(prefill, prefill_load, keys)
+                        prefill = None  # its leg is over
                         self._note_prefill_path(client_id, decision, output.prefilled_by)
                     yield output
         finally:
@@ -134,9 +133,8 @@ class RoutedBackend:
             self._finish(prefill, prefill_load, keys)
 
     def _finish(self, handle: WorkerHandle | None, entry: Dispatch | None, keys: Sequence[BlockHash]) -> None:
-        """The prefill leg's end (at the first output, or the request's end if none came): once."""
-        if handle is not None and entry is not None and entry in self._prefills_held:
-            self._prefills_held.discard(entry)
+        """The prefill leg's end: its load and its hold on the prompt's keys."""
+        if handle is not None and entry is not None:
             self._pool.finish(handle, entry)
             self._cluster.index.release(handle.address, keys)
 

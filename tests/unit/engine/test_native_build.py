@@ -1,4 +1,5 @@
-"""The native kernels' build folder: one builder at a time, no wait for ever, shared sources."""
+"""The native kernels' build folder: one builder at a time, no wait for ever, shared sources, one
+folder however it is reached."""
 import fcntl
 import multiprocessing
 import time
@@ -52,3 +53,15 @@ def test_sources_are_staged_once_and_rewritten_only_when_changed(tmp_path):
     after = {name: (staged / name).stat().st_mtime_ns for name in native.SOURCES}
     assert {n for n in native.SOURCES if after[n] != before[n]} == {"vec.h"}
     assert (staged / "vec.h").read_text() != "stale"
+
+
+def test_a_cache_reached_through_a_symlink_builds_in_the_folder_it_names(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(native, "is_supported", lambda: True)
+    monkeypatch.setattr(native, "_build", lambda build_dir: built.append(build_dir) or object())
+    monkeypatch.setattr(native, "_loaded", {})
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "cache", target_is_directory=True)
+    first, second = native.load_native(str(tmp_path / "cache")), native.load_native(str(tmp_path / "link"))
+    assert first is second
+    assert built == [(tmp_path / "cache").resolve() / "kernels" / native._cache_key()]

@@ -50,7 +50,9 @@ def load_native(cache_dir: str | None) -> ModuleType | None:
     the build fails (the caller then runs the torch path, and the reason is logged)."""
     if not is_supported():
         return None
-    build_dir = Path(cache_dir or default_cache_dir()) / "kernels" / _cache_key()
+    # resolved: the build names its paths, so the same folder reached by another path (a
+    # symlinked cache) would rebuild, and rewrite the build for every other path
+    build_dir = (Path(cache_dir or default_cache_dir()) / "kernels" / _cache_key()).resolve()
     key = str(build_dir)
     if key not in _loaded:
         _loaded[key] = _build(build_dir)

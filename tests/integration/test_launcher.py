@@ -24,11 +24,12 @@ def is_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def start_serve(tmp_path: Path, port: int, worker_port: int, metrics_port: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_serve(tmp_path: Path, cache_dir: Path, port: int, worker_port: int,
+                metrics_port: int) -> tuple[subprocess.Popen[bytes], str]:
     """`pdserve serve` with no topology flags: prefill on `worker_port`, decode on the next port."""
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port", str(worker_port),
             "--metrics-port", str(metrics_port), "--max-model-len", "512", "--startup-timeout", "150",
-            "--cache-dir", str(tmp_path / "cache")]
+            "--cache-dir", str(cache_dir)]
     with open(tmp_path / "serve.out", "wb") as out, open(tmp_path / "serve.err", "wb") as err:
         serve = subprocess.Popen(argv, stdout=out, stderr=err)
     url = f"http://127.0.0.1:{port}"
@@ -89,9 +90,10 @@ def bind_pair(held: list[socket.socket]) -> int:
 LONG_PROMPT = "The history of the city is long. " * 12  # ~100 tokens: worth a prefill worker
 
 
-def test_serve_answers_through_prefill_and_decode_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+def test_serve_answers_through_prefill_and_decode_and_ctrl_c_stops_everything(tmp_path: Path,
+                                                                             serve_cache_dir: Path) -> None:
     port, worker_port, metrics_port = free_ports()
-    serve, url = start_serve(tmp_path, port, worker_port, metrics_port)
+    serve, url = start_serve(tmp_path, serve_cache_dir, port, worker_port, metrics_port)
     try:
         children = children_of(serve.pid)
         kinds = sorted(command_of(pid).split()[5] for pid in children)
@@ -113,10 +115,10 @@ def test_serve_answers_through_prefill_and_decode_and_ctrl_c_stops_everything(tm
     assert f"curl -s {url}/v1/completions" in out
 
 
-def test_a_killed_router_stops_the_workers_and_serve_exits_1(tmp_path: Path) -> None:
+def test_a_killed_router_stops_the_workers_and_serve_exits_1(tmp_path: Path, serve_cache_dir: Path) -> None:
     """Workers are restarted (tests/integration/test_supervision.py); the router is not."""
     port, worker_port, metrics_port = free_ports()
-    serve, _ = start_serve(tmp_path, port, worker_port, metrics_port)
+    serve, _ = start_serve(tmp_path, serve_cache_dir, port, worker_port, metrics_port)
     try:
         children = children_of(serve.pid)
         (router,) = [pid for pid in children if command_of(pid).split()[5] == "router"]

@@ -66,11 +66,11 @@ class Serve:
             self.process.wait(GONE_TIMEOUT_S)
 
 
-def start_serve(directory: Path, *args: str) -> Serve:
+def start_serve(directory: Path, cache_dir: Path, *args: str) -> Serve:
     """`pdserve serve` with the default topology and no fixed worker port, its output in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     argv = [*SERVE, "--port", str(free_port()), "--max-model-len", "512", "--startup-timeout", "200",
-            "--cache-dir", str(directory.parent / "cache"), *args]
+            "--cache-dir", str(cache_dir), *args]
     with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
         return Serve(subprocess.Popen(argv, stdout=out, stderr=err), directory)
 
@@ -132,8 +132,9 @@ def serves() -> Iterator[list[Serve]]:
 
 
 @pytest.mark.parametrize("when", ["ready", "starting"])
-def test_kill_9_of_serve_leaves_none_of_its_processes(tmp_path: Path, serves: list[Serve], when: str) -> None:
-    serve = start_serve(tmp_path / "a", "--shutdown-timeout", "10")
+def test_kill_9_of_serve_leaves_none_of_its_processes(tmp_path: Path, serve_cache_dir: Path, serves: list[Serve],
+                                                       when: str) -> None:
+    serve = start_serve(tmp_path / "a", serve_cache_dir, "--shutdown-timeout", "10")
     serves.append(serve)
     if when == "ready":
         wait_ready(serve)
@@ -151,8 +152,9 @@ def test_kill_9_of_serve_leaves_none_of_its_processes(tmp_path: Path, serves: li
     assert [port for port in ports if not is_port_free("127.0.0.1", port)] == []
 
 
-def test_two_serves_side_by_side_each_answer_with_their_own_workers(tmp_path: Path, serves: list[Serve]) -> None:
-    first, second = start_serve(tmp_path / "a"), start_serve(tmp_path / "b")
+def test_two_serves_side_by_side_each_answer_with_their_own_workers(tmp_path: Path, serve_cache_dir: Path,
+                                                                     serves: list[Serve]) -> None:
+    first, second = start_serve(tmp_path / "a", serve_cache_dir), start_serve(tmp_path / "b", serve_cache_dir)
     serves += [first, second]
     wait_ready(first, second)
     assert first.deployment_id != second.deployment_id
@@ -166,15 +168,15 @@ def test_two_serves_side_by_side_each_answer_with_their_own_workers(tmp_path: Pa
         assert {deployment_of(address, serve) for address in serve.worker_addresses} == {serve.deployment_id}
 
 
-def test_a_router_refuses_the_workers_of_another_deployment_saying_why(tmp_path: Path,
+def test_a_router_refuses_the_workers_of_another_deployment_saying_why(tmp_path: Path, serve_cache_dir: Path,
                                                                         serves: list[Serve]) -> None:
-    serve = start_serve(tmp_path / "a", "--deployment-id", "shop-a")
+    serve = start_serve(tmp_path / "a", serve_cache_dir, "--deployment-id", "shop-a")
     serves.append(serve)
     wait_ready(serve)
     decode = serve.banner_value("  decode   ")[0]
     router = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "router", "--port", str(free_port()), "--worker", decode,
-         "--deployment-id", "shop-b", "--worker-wait-timeout", "30", "--cache-dir", str(tmp_path / "cache"),
+         "--deployment-id", "shop-b", "--worker-wait-timeout", "30", "--cache-dir", str(serve_cache_dir),
          "--tls-dir", serve_credentials_dir(serve.process.pid)],
         capture_output=True, text=True, timeout=ERROR_TIMEOUT_S)
     why = f"worker {decode} deployment_id='shop-a': this router admits only workers of deployment 'shop-b'"

@@ -75,10 +75,10 @@ def wait_until(is_done: Callable[[], bool], timeout_s: float, what: str) -> None
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+def serve(tmp_path_factory: pytest.TempPathFactory, serve_cache_dir: Path) -> Iterator[Serve]:
     directory = tmp_path_factory.mktemp("serve")
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(free_port()), "--max-model-len", "512",
-            "--startup-timeout", "200", "--cache-dir", str(directory / "cache"), "--restart-backoff", "1",
+            "--startup-timeout", "200", "--cache-dir", str(serve_cache_dir), "--restart-backoff", "1",
             "--drain-timeout", "60", "--shutdown-timeout", "70"]
     with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
         started = Serve(subprocess.Popen(argv, stdout=out, stderr=err), directory)

@@ -4,7 +4,9 @@ A batch-1 decode step reads every weight once, so `weight bytes / read bandwidth
 fastest a step can be. This script measures the machine's read bandwidth (a large tensor
 reduced by the same torch threads), counts the bytes one step reads, and times batch-1 decode
 steps of the model forward with the native kernels and with plain torch ops, then (unless
-`--skip-serve`) the TPOT of `pdserve serve --aggregated` answering one request at a time.
+`--skip-serve`) the TPOT of `pdserve serve --aggregated` answering one request at a time. The
+read rate is measured again at the end: on a shared host it can move between runs minutes
+apart, and two figures far apart say the limit moved under the steps.
 
     python benchmarks/decode_bandwidth.py --json decode-bw.json
     python benchmarks/decode_bandwidth.py --model CKPT_DIR --context 1024 --skip-serve
@@ -93,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             _, served = measure_topology("pdserve-agg", ["--aggregated"], model, [single], Path(scratch))
         tpot = served["tpot_p50_ms"]
         rows.append({"system": "served-agg (TPOT p50)", "step_ms": tpot, "fraction_of_limit": limit_ms / tpot})
+    bandwidth_after = read_bandwidth()
     result = {"benchmark": "decode_bandwidth",
               "config": {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model,
                          "threads": torch.get_num_threads()},
-              "read_bandwidth_gb_s": bandwidth / 1e9, "limit_ms": limit_ms, "results": rows,
+              "read_bandwidth_gb_s": bandwidth / 1e9, "read_bandwidth_after_gb_s": bandwidth_after / 1e9,
+              "limit_ms": limit_ms, "results": rows,
               "ratios": {"forward step: torch / native": ratio(rows[1]["step_ms"], rows[0]["step_ms"])}}
     print(json.dumps(result, indent=2))
     if args.json:

@@ -10,9 +10,13 @@ so the cost is a few small matmuls per adapter in the batch, never a Python loop
 An adapter's q/k/v pairs are fused like the base weights (A stacked, B block-diagonal), and
 so are gate/up: the four fused projections each take one pair per adapter.
 
+On the native CPU kernels the same deltas are added in C++ after each projection
+(`native/lora.h`), from a copy of every adapter's pairs made when it loads (`kernel_weights`).
+
 All loaded adapters stay on the model's device; `max_loras` bounds how many are loaded at
 once, so it also bounds the adapters in one batch (vLLM's meaning of the flag).
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,10 @@ class LoraAdapter:
     lora_id: int
     rank: int
     layers: tuple[AdapterLayer, ...]
+    kernel_weights: object = None  # the same pairs as the native kernels hold them (None: torch path only)
+
+
+KernelWeights = Callable[[tuple[AdapterLayer, ...]], object]  # an adapter's layers -> the native kernels' copy
 
 
 class LoraStep:
@@ -70,13 +78,15 @@ NO_LORA = LoraStep(())  # a step without adapter rows: every `add` returns y as 
 class LoraAdapters:
     """The adapters loaded on one model, by id; at most `settings.max_loras` of them."""
 
-    def __init__(self, config: ModelConfig, settings: LoraSettings, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, settings: LoraSettings, dtype: torch.dtype, device: torch.device,
+                 kernel_weights: KernelWeights | None = None) -> None:
         if settings.max_loras < 1 or settings.max_lora_rank < 1:
             raise ConfigError("max_loras", settings, "max_loras and max_lora_rank must be at least 1")
         self._config = config
         self.settings = settings
         self._dtype = dtype
         self._device = device
+        self._kernel_weights = kernel_weights  # set where steps run on the native kernels
         self._adapters: dict[int, LoraAdapter] = {}
 
     def __contains__(self, lora_id: object) -> bool:
@@ -109,7 +119,8 @@ class LoraAdapters:
         if checkpoint.lora_id in self._adapters:
             return
         layers = tuple(self._fuse_layer(checkpoint, i) for i in range(self._config.num_layers))
-        self._adapters[checkpoint.lora_id] = LoraAdapter(checkpoint.lora_id, checkpoint.rank, layers)
+        native = self._kernel_weights(layers) if self._kernel_weights else None
+        self._adapters[checkpoint.lora_id] = LoraAdapter(checkpoint.lora_id, checkpoint.rank, layers, native)
 
     def remove(self, lora_id: int) -> None:
         self._adapters.pop(lora_id, None)

@@ -1,7 +1,8 @@
 """`NativeForward`: a `CausalLM`'s forward through the native CPU kernels (`engine/native`).
 
 Same weights, same KV tensor, same logits as `CausalLM.forward` up to float rounding: each
-step Python hands over four small tensors and the C++ side runs every layer.
+step Python hands over four small tensors (and the step's LoRA rows) and the C++ side runs
+every layer.
 
     segments (S, 4) int32: | q_start (row in the step) | q_len | start_pos (tokens already in KV) | prompt |
 """
@@ -10,22 +11,22 @@ import torch
 from pdserve.common.errors import ConfigError
 from pdserve.engine.loading.mapped_pages import release_copied_pages
 from pdserve.engine.model.batch import ForwardBatch
-from pdserve.engine.model.kv_tensor import PagedKvCache
 from pdserve.engine.model.decoder import CausalLM
-from pdserve.engine.model.native import load_native
+from pdserve.engine.model.kv_tensor import PagedKvCache
+from pdserve.engine.model.lora import NO_LORA, AdapterLayer, LoraStep
+from pdserve.engine.model.native import KERNEL_CHOICES, KernelsUnavailable, load_native
 
-KERNEL_CHOICES = ("auto", "native", "torch")
 # oneDNN chooses its blocked weight layout for a row count; measured the same speed with the
 # layout for 1 row and for 64 from 1 to 128 rows, so one packing serves decode and prefill.
 PACK_FOR_ROWS = 64
 # Steps of up to this many rows read the packed weights with the native `blocked_linear`
-# (native/blocked_linear.h), larger ones run oneDNN's kernel. On a 2-core AMD EPYC (AVX512-BF16),
-# SmolLM2-135M's products took 0.47-0.6x oneDNN's time at 1-10 rows, 0.85-0.92x at 64, 0.94x at
-# 128 and 0.98-1.02x at 2,048. Where the CPU has AMX tiles oneDNN multiplies on them and packs in
-# blocks of 32 columns; a variant of the kernel reading those took, on a 2-core Xeon with AMX,
-# 0.91-0.99x oneDNN's time at 1 row (both bound by reading the weights), 1.2-1.5x at 2-8 rows and
-# 2-4.9x at 16-64: there every step stays on oneDNN (one kernel, so a prompt's bits do not depend
-# on how it is chunked either).
+# (native/avx512/blocked_linear.h), larger ones run oneDNN's kernel. On a 2-core AMD EPYC
+# (AVX512-BF16), SmolLM2-135M's products took 0.47-0.6x oneDNN's time at 1-10 rows, 0.85-0.92x at
+# 64, 0.94x at 128 and 0.98-1.02x at 2,048. Where the CPU has AMX tiles oneDNN multiplies on them
+# and packs in blocks of 32 columns; a variant of the kernel reading those took, on a 2-core Xeon
+# with AMX, 0.91-0.99x oneDNN's time at 1 row (both bound by reading the weights), 1.2-1.5x at 2-8
+# rows and 2-4.9x at 16-64: there every step stays on oneDNN (one kernel, so a prompt's bits do
+# not depend on how it is chunked either).
 BLOCKED_ROWS = 128
 BLOCK_COLUMNS = 64  # of the packed layout `blocked_linear` reads; matrices of other widths run oneDNN's kernel
 
@@ -53,6 +54,15 @@ def blocked_rows(layouts_read: list[bool]) -> int:
     return BLOCKED_ROWS if layouts_read and all(layouts_read) else 0
 
 
+def weight_form(module, dtype: torch.dtype) -> str:
+    """How the kernels of `module` take the model's matrices in `dtype`: "panels" (bf16 at the
+    AVX2 level, whose CPUs have no bf16 products), "onednn" (bf16 where oneDNN has bf16 kernels)
+    or "plain" (float32)."""
+    if dtype == torch.bfloat16 and module.LEVEL == "avx2":
+        return "panels"
+    return "onednn" if packs_weights(dtype) else "plain"
+
+
 def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:
     """Why the native kernels cannot run this model and cache, or None when they can."""
     c = model.config
@@ -68,31 +78,43 @@ def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:
 
 
 def build_native(model: CausalLM, kv: PagedKvCache, kernels: str, cache_dir: str | None) -> "NativeForward | None":
-    """The native forward for `kernels` = auto | native | torch; None means the torch path.
+    """The native forward for `kernels` (KERNEL_CHOICES); None means the torch path.
 
-    `native` raises ConfigError when the kernels cannot run here; `auto` falls back quietly."""
+    `auto` falls back to torch ops quietly where no kernels run (the reason is logged); any other
+    choice but `torch` raises ConfigError where its kernels cannot run."""
     if kernels not in KERNEL_CHOICES:
         raise ConfigError("kernels", kernels, f"supported: {', '.join(KERNEL_CHOICES)}")
     if kernels == "torch":
         return None
     reason = native_unsupported_reason(model, kv)
-    module = None if reason else load_native(cache_dir)
-    if module is None and kernels == "native":
-        raise ConfigError("kernels", kernels, reason or "the native CPU kernels could not be built on this machine")
+    if reason is not None:
+        if kernels != "auto":
+            raise ConfigError("kernels", kernels, reason)
+        return None
+    try:
+        module = load_native(kernels, cache_dir)
+    except KernelsUnavailable as exc:
+        raise ConfigError("kernels", kernels, str(exc)) from None
     return None if module is None else NativeForward(model, module)
 
 
 class NativeForward:
-    """Runs every step of `model` in one native call. bf16 matrices are packed for oneDNN here
-    and the model's plain copies dropped, so the model's own torch forward no longer runs."""
+    """Runs every step of `model` in one native call. Where the kernels take bf16 matrices
+    packed (oneDNN's layout or panels), they are packed here and the model's plain copies
+    dropped, so the model's own torch forward no longer runs."""
 
     def __init__(self, model: CausalLM, module) -> None:
-        c, packed = model.config, packs_weights(model.embed.dtype)
-        checks_layout = packed and blocked_kernel_may_run()
+        c = model.config
+        self.level: str = module.LEVEL
+        self._module = module
+        form = weight_form(module, model.embed.dtype)
+        checks_layout = form == "onednn" and blocked_kernel_may_run()
         layouts_read: list[bool] = []  # per packed matrix: laid out as `blocked_linear` reads it
 
         def matrix(weight: torch.Tensor) -> torch.Tensor:
-            if not packed:
+            if form == "panels":
+                return module.to_panels(weight)
+            if form == "plain":
                 return weight
             packed_weight = pack(weight)
             if checks_layout and weight.shape[0] % BLOCK_COLUMNS == 0 and weight.shape[1] % 2 == 0:
@@ -103,11 +125,11 @@ class NativeForward:
         for layer in model.layers:
             plain = (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)
             matrices.append([matrix(w) for w in plain])
-            if packed:  # a plain copy of its own (cast, dequantized) is freed here, a file map's pages given back
+            if form != "plain":  # a plain copy of its own (cast, dequantized) is freed here, a file map's pages given back
                 release_copied_pages(plain)
                 layer.drop_matrices()
         lm_head = matrix(model.lm_head)
-        if packed:
+        if form != "plain":
             if model.lm_head is not model.embed:
                 release_copied_pages([model.lm_head])
             model.drop_matrices()
@@ -116,9 +138,13 @@ class NativeForward:
                   for layer, (qkv, o_proj, gate_up, down) in zip(model.layers, matrices, strict=True)]
         self._model = module.NativeModel(
             model.embed, model.norm.weight, lm_head, layers, model.rope.inv_freq, c.num_heads,
-            c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, packed,
+            c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, form == "onednn",
             blocked_rows(layouts_read))
         self._threads: torch.Tensor | None = None  # the count a step follows, kept alive here
+
+    def lora_weights(self, layers: tuple[AdapterLayer, ...]) -> object:
+        """An adapter's pairs as the kernels hold them (made once, when the adapter loads)."""
+        return self._module.LoraWeights([[None if pair is None else list(pair) for pair in layer] for layer in layers])
 
     def follow_threads(self, count) -> None:
         """Start each layer of a step on `count[0]` torch threads (a writable buffer of one int32
@@ -126,8 +152,10 @@ class NativeForward:
         self._threads = torch.frombuffer(count, dtype=torch.int32)
         self._model.follow_threads(self._threads)
 
-    def forward(self, batch: ForwardBatch, kv: PagedKvCache, logit_rows: list[int]) -> torch.Tensor:
-        """float32 logits (len(logit_rows), vocab) of the step's flattened rows `logit_rows`."""
+    def forward(self, batch: ForwardBatch, kv: PagedKvCache, logit_rows: list[int],
+                lora: LoraStep = NO_LORA) -> torch.Tensor:
+        """float32 logits (len(logit_rows), vocab) of the step's flattened rows `logit_rows`;
+        `lora` adds each adapter's deltas to its own rows."""
         chunks = batch.chunks
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
         segments, first = [], 0
@@ -137,5 +165,6 @@ class NativeForward:
         width = max(len(c.block_table) for c in chunks)
         tables = torch.tensor([c.block_table + (0,) * (width - len(c.block_table)) for c in chunks],
                               dtype=torch.int32)  # (S, width), padding never read
+        groups = [(rows, adapter.kernel_weights) for adapter, rows in lora.groups]
         return self._model.forward(token_ids, torch.tensor(segments, dtype=torch.int32), tables,
-                                   torch.tensor(logit_rows, dtype=torch.int64), kv.tensor)
+                                   torch.tensor(logit_rows, dtype=torch.int64), kv.tensor, groups)

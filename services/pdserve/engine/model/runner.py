@@ -38,14 +38,12 @@ class ModelRunner:
         """Load weights and allocate the KV tensor: give `num_blocks` or a `kv_cache_bytes` budget.
 
         `model_path` is a Hugging Face checkpoint directory or a `.gguf` file; `cache_dir`
-        keeps a GGUF file's conversion and the compiled native kernels for the next load.
-        `kernels`: `auto` runs the native CPU kernels where they apply, `native` insists on
-        them (ConfigError where they cannot run), `torch` runs plain torch ops. With `lora`
-        (adapters enabled) every step runs on torch ops: the native kernels run all layers in
-        one call, with no place for an adapter's deltas, so `native` is then a ConfigError.
+        keeps a GGUF file's conversion (and the just-in-time kernels' build) for the next load.
+        `kernels` (native.KERNEL_CHOICES): `auto` runs the native CPU kernels where they apply,
+        `native` or a level's name insists on them (ConfigError where they cannot run), `torch`
+        runs plain torch ops. With `lora` (adapters enabled), each adapter's deltas are added to
+        its own rows on either path.
         """
-        if lora is not None and kernels == "native":
-            raise ConfigError("kernels", kernels, "LoRA adapters run on torch ops; use --kernels auto or torch")
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ConfigError("num_blocks", num_blocks, "give exactly one of num_blocks and kv_cache_bytes")
         # Every setting is checked, and the KV tensor allocated, before the weights are read.
@@ -59,9 +57,10 @@ class ModelRunner:
         checkpoint = load_checkpoint(model_path, dtype, target, cache_dir)
         model = CausalLM(checkpoint.config, checkpoint.tensors, target)
         del checkpoint  # the model holds what it uses; a matrix it lets go of (packed) is freed
-        if lora is not None:
-            return cls(model, kv, model_dtype, target, None, LoraAdapters(config, lora, model_dtype, target))
-        return cls(model, kv, model_dtype, target, build_native(model, kv, kernels, cache_dir))
+        native = build_native(model, kv, kernels, cache_dir)
+        adapters = None if lora is None else LoraAdapters(config, lora, model_dtype, target,
+                                                          native.lora_weights if native else None)
+        return cls(model, kv, model_dtype, target, native, adapters)
 
     @property
     def config(self) -> ModelConfig:
@@ -93,13 +92,13 @@ class ModelRunner:
         """
         self._validate(batch)
         counts = [_num_logit_rows(c) for c in batch.chunks]
+        lora = NO_LORA if self.lora is None else self.lora.plan([(c.lora_id, len(c.token_ids)) for c in batch.chunks])
         if self.native is not None:
-            logits = self.native.forward(batch, self.kv, _logit_rows(batch.chunks))  # (R, vocab)
+            logits = self.native.forward(batch, self.kv, _logit_rows(batch.chunks), lora)  # (R, vocab)
             return ForwardOutput(list(torch.split(logits, counts)))
         plan = plan_attention(batch, self.kv, self.config.sliding_window)
         token_ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)
         logit_rows = torch.tensor(_logit_rows(batch.chunks), dtype=torch.int64, device=self.device)
-        lora = NO_LORA if self.lora is None else self.lora.plan([(c.lora_id, len(c.token_ids)) for c in batch.chunks])
         logits = self.model.forward(token_ids.to(self.device), plan, self.kv, logit_rows, lora)  # (R, vocab)
         return ForwardOutput(list(torch.split(logits, counts)))
 

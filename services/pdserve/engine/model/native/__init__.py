@@ -3,147 +3,145 @@
 What they replace, and why (profiled on a 2-core AVX-512 CPU, SmolLM2-135M in bf16): eager
 torch spent most of a batch-1 decode step in oneDNN's matmuls, which reordered every weight
 on every call, and in ~1,200 small ops; batched decode spent 40% in gathering every
-sequence's KV blocks and in attention widened across KV heads. Here: bf16 weights packed once,
-at load, into oneDNN's blocked layout (no reorder per call, one copy of the weights), paged
-attention reading the KV blocks in place (grouped-query heads together, online softmax), and
-fused RMSNorm, rotary + KV store and SiLU-and-mul.
+sequence's KV blocks and in attention widened across KV heads. Here: weights packed once, at
+load (oneDNN's blocked layout where oneDNN has bf16 kernels for the CPU, panels of our own on
+AVX2), paged attention reading the KV blocks in place (grouped-query heads together, online
+softmax), and fused RMSNorm, rotary + KV store and SiLU-and-mul.
 
-The extension is compiled on first use for the CPU it runs on (`-march=native`) and cached
-under `<cache_dir>/kernels/<key>`; the key covers the sources, torch's version and the CPU's
-flags, so a changed source or a cache copied to another CPU rebuilds instead of crashing. The
-sources are copied into that folder and compiled from there, so checkouts in other places
-share one build; one process builds at a time, under a lock the system releases when its
-holder dies (torch's own lock file, left behind by a process killed mid-build, made every
-later start wait for ever), and a start waits at most BUILD_WAIT_S for another's build.
+The kernels are compiled when pdserve is installed (or its wheel built), once per ISA level
+(`levels.py`): `_kernels_avx2`, `_kernels_avx512`, `_kernels_avx512_bf16`, `_kernels_amx`. A
+worker imports the highest level this CPU has (its flags, and for AMX the OS lending the tile
+state), logs the choice once and reports it as a metric label; no compiler is needed at run time.
+`--kernels` may force a level; `jit` compiles them at start for this CPU instead (`jit.py`, a
+developer's path).
 """
-import fcntl
-import hashlib
+import ctypes
+import importlib
+import importlib.util
 import logging
-import os
-import shutil
-import sys
-import time
-from contextlib import contextmanager
+import platform
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
-from pdserve.common.settings import default_cache_dir
+from pdserve.engine.model.native.levels import LEVELS, MODULE_PREFIX
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("model.cpp", "attention.h", "amx_attention.h", "prefill_attention.h", "elementwise.h", "linear.h",
-           "blocked_linear.h", "vec.h")
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
-BUILD_WAIT_S = 600.0  # for another process's build of the same kernels, then the torch path
-_loaded: dict[str, ModuleType | None] = {}
+LEVEL_NAMES = tuple(LEVELS)  # lowest first
+KERNEL_CHOICES = ("auto", "native", "torch", "jit", *LEVEL_NAMES)
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86-64
+_loaded: dict[tuple[str, str | None], ModuleType | None] = {}  # None: torch ops (logged once)
 
 
-def is_supported() -> bool:
-    """The kernels are written with AVX-512 intrinsics: x86-64 CPUs that have it."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+class KernelsUnavailable(RuntimeError):
+    """The kernels asked for cannot run here; the message says why."""
 
 
-def load_native(cache_dir: str | None) -> ModuleType | None:
-    """The compiled extension, building it on first use; None where the CPU lacks AVX-512 or
-    the build fails (the caller then runs the torch path, and the reason is logged)."""
-    if not is_supported():
-        return None
-    # resolved: the build names its paths, so the same folder reached by another path (a
-    # symlinked cache) would rebuild, and rewrite the build for every other path
-    build_dir = (Path(cache_dir or default_cache_dir()) / "kernels" / _cache_key()).resolve()
-    key = str(build_dir)
-    if key not in _loaded:
-        _loaded[key] = _build(build_dir)
-    return _loaded[key]
-
-
-def _build(build_dir: Path) -> ModuleType | None:
-    from torch.utils import cpp_extension
-
-    build_dir.mkdir(parents=True, exist_ok=True)
-    is_cached = any(build_dir.glob("*.so"))
-    compiler = os.environ.get("CXX", "c++")  # the one torch's extension builder calls
-    if not is_cached and shutil.which(compiler) is None:
-        log.warning("native CPU kernels unavailable, using torch ops: no C++ compiler (%s) on PATH", compiler)
-        return None
-    if not is_cached:
-        log.info("compiling native CPU kernels into %s (first start only, about 30-60 s)", build_dir)
-    start = time.monotonic()
-    try:
-        with _build_lock(build_dir, BUILD_WAIT_S), _ninja_on_path():
-            module = cpp_extension.load(
-                name=f"pdserve_native_{build_dir.name}", sources=[str(_staged_sources(build_dir) / "model.cpp")],
-                extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                verbose=False)
-    except Exception as exc:  # any build failure: serve on the torch path, say why
-        log.warning("native CPU kernels unavailable, using torch ops: %s", str(exc).strip().splitlines()[-1:])
-        return None
-    if not is_cached:
-        log.info("native CPU kernels compiled in %.1f s", time.monotonic() - start)
-    return module
-
-
-def _cache_key() -> str:
-    digest = hashlib.sha256()
-    here = Path(__file__).parent
-    for name in SOURCES:
-        digest.update((here / name).read_bytes())
-    digest.update(" ".join((torch.__version__, sys.version, *CFLAGS, _cpu_signature())).encode())
-    return digest.hexdigest()[:16]
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and flags: what -march=native compiled for."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags as Linux names them (empty where /proc/cpuinfo cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ""
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
 
 
-@contextmanager
-def _build_lock(build_dir: Path, wait_s: float):
-    """Hold `build_dir`'s lock (TimeoutError after `wait_s`); while held, no other process is
-    building there, so a lock file torch's builder left behind is stale and is removed."""
-    with open(build_dir / "build.flock", "w") as handle:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"another process held {build_dir} for {wait_s:g} s") from None
-                time.sleep(0.2)
-        (build_dir / "lock").unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def amx_lent() -> bool:
+    """Whether Linux lends this process AMX's tile state (it asks, as oneDNN does)."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
 
 
-def _staged_sources(build_dir: Path) -> Path:
-    """The sources copied into `build_dir/src` (rewritten only when changed, so an unchanged
-    build is not redone): the build then names the same paths from every checkout."""
-    here, staged = Path(__file__).parent, build_dir / "src"
-    staged.mkdir(exist_ok=True)
-    for name in SOURCES:
-        text = (here / name).read_bytes()
-        if not (staged / name).exists() or (staged / name).read_bytes() != text:
-            (staged / name).write_bytes(text)
-    return staged
+def levels_for(flags: frozenset[str], tiles_lent: bool) -> tuple[str, ...]:
+    """The levels a CPU with `flags` runs, lowest first: each needs its own flags and those of
+    every level below; AMX also needs the tile state lent (`tiles_lent`)."""
+    found = []
+    for level, (needs, _) in LEVELS.items():
+        if not flags.issuperset(needs) or (level == "amx" and not tiles_lent):
+            break
+        found.append(level)
+    return tuple(found)
 
 
-@contextmanager
-def _ninja_on_path():
-    """torch's extension builder runs `ninja` from PATH; the `ninja` package installs it next to
-    this interpreter, which is not on PATH when pdserve runs as `.venv/bin/pdserve`."""
-    saved = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), saved))
+@cache
+def cpu_levels() -> tuple[str, ...]:
+    """The levels this CPU runs, lowest first."""
+    flags = cpu_flags()
+    return levels_for(flags, "amx_tile" in flags and amx_lent())
+
+
+def installed_levels() -> tuple[str, ...]:
+    """The levels this CPU runs whose prebuilt kernels are installed, lowest first."""
+    return tuple(level for level in cpu_levels() if _find_spec(level))
+
+
+def load_level(level: str) -> ModuleType:
+    """The prebuilt kernels of `level`; KernelsUnavailable where the CPU lacks it or this
+    install has no build of it."""
+    if level not in LEVELS:
+        raise KernelsUnavailable(f"no ISA level {level!r} (levels: {', '.join(LEVEL_NAMES)})")
+    if level not in cpu_levels():
+        missing = sorted(set(LEVELS[level][0]) - cpu_flags())
+        why = f"lacks {', '.join(missing)}" if missing else "does not lend this process its AMX tile state"
+        raise KernelsUnavailable(f"this CPU {why}, so it cannot run the {level} kernels")
     try:
-        yield
-    finally:
-        os.environ["PATH"] = saved
+        return importlib.import_module(f"{__name__}.{MODULE_PREFIX}{level}")
+    except ImportError as exc:
+        raise KernelsUnavailable(f"this install has no {level} kernels ({exc}); install pdserve from a wheel "
+                                 "built with a C++ compiler, or run --kernels jit") from exc
+
+
+def load_native(choice: str = "auto", cache_dir: str | None = None) -> ModuleType | None:
+    """The kernels `choice` names, logged once per process.
+
+    auto: the highest level this CPU has whose build is installed (a missing build is logged
+    and the next level down taken), None where there is none (torch ops); native: the same, but
+    KernelsUnavailable where there is none; a level's name: that level or KernelsUnavailable;
+    jit: compiled here for this CPU (`jit.py`); torch: None."""
+    if choice not in KERNEL_CHOICES:
+        raise KernelsUnavailable(f"no kernels {choice!r} (choices: {', '.join(KERNEL_CHOICES)})")
+    if choice == "torch":
+        return None
+    key = (choice, cache_dir if choice == "jit" else None)
+    if key not in _loaded:
+        module = _load(choice, cache_dir)
+        _loaded[key] = module
+        if module is None:
+            return None
+        log.info("native CPU kernels: %s (%s); this CPU runs %s", module.LEVEL,
+                 "compiled here" if choice == "jit" else "prebuilt", ", ".join(cpu_levels()) or "none of the levels")
+    return _loaded[key]
+
+
+def _load(choice: str, cache_dir: str | None) -> ModuleType | None:
+    if choice == "jit":
+        from pdserve.engine.model.native.jit import JitBuildError, load_jit
+        try:
+            return load_jit(cache_dir)
+        except JitBuildError as exc:
+            raise KernelsUnavailable(f"the just-in-time build failed: {exc}") from exc
+    if choice in LEVELS:
+        return load_level(choice)
+    reasons = []
+    for level in reversed(cpu_levels()):
+        try:
+            return load_level(level)
+        except KernelsUnavailable as exc:
+            log.warning("native CPU kernels: %s", exc)
+            reasons.append(str(exc))
+    why = reasons[-1] if reasons else "this CPU has none of the ISA levels they are built for " \
+                                      f"({', '.join(LEVEL_NAMES)}; AVX2 with FMA and F16C at least)"
+    if choice == "native":
+        raise KernelsUnavailable(why)
+    log.warning("native CPU kernels unavailable, using torch ops: %s", why)
+    return None
+
+
+def _find_spec(level: str) -> bool:
+    return importlib.util.find_spec(f"{__name__}.{MODULE_PREFIX}{level}") is not None

@@ -1,13 +1,25 @@
 // The whole decoder forward of a Llama-family model in one call: embedding, every layer,
 // final norm and LM head, over a step's flattened tokens and the paged KV tensor. Python
 // builds four small tensors per step (token ids, segments, block tables, logit rows); every
-// per-layer operation runs here, with no Python between them.
+// per-layer operation runs here, with no Python between them. LoRA adapters' deltas are added
+// to their own rows after each projection.
+//
+// The same file is built once per ISA level (setup.py): the level's kernels come from its
+// folder, chosen by what the build enables.
 #include <torch/extension.h>
 
-#include "attention.h"
-#include "blocked_linear.h"
-#include "elementwise.h"
-#include "linear.h"
+#include <memory>
+#include <optional>
+#include <utility>
+
+#if defined(__AVX512F__)
+#include "avx512/level.h"
+#else
+#include "avx2/level.h"
+#endif
+#include "avx2/panel_linear.h"
+#include "lora.h"
+#include "onednn_linear.h"
 
 namespace pdserve {
 
@@ -25,9 +37,16 @@ inline void check_segments(const at::Tensor& segments, const at::Tensor& tables)
               "one contiguous row of block ids per segment");
 }
 
+// One of the model's matrices as this level multiplies it.
+struct Matrix {
+  at::Tensor w;           // plain (N, K); oneDNN's packing (opaque); or panels (ceil(N / 16), K, 16)
+  int64_t columns = 0;    // N
+  const bf16* blocked = nullptr;  // oneDNN's packed bytes where `blocked_linear` may read them
+};
+
 struct Layer {
-  at::Tensor input_norm, qkv, qkv_bias, o_proj, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
-  const bf16 *qkv_blocked, *o_blocked, *gate_up_blocked, *down_blocked;  // null: oneDNN's kernel only
+  at::Tensor input_norm, qkv_bias, o_bias, post_norm, gate_up_bias, down_bias;
+  Matrix qkv, o_proj, gate_up, down;
 };
 
 class NativeModel {
@@ -35,36 +54,41 @@ class NativeModel {
   NativeModel(at::Tensor embed, at::Tensor final_norm, at::Tensor lm_head,
               std::vector<std::vector<c10::optional<at::Tensor>>> layers, at::Tensor inv_freq, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window, bool packed, int64_t blocked_rows)
-      : embed_(embed), final_norm_(final_norm), lm_head_(lm_head), inv_freq_(inv_freq), num_heads_(num_heads),
+      : embed_(embed), final_norm_(final_norm), inv_freq_(inv_freq), num_heads_(num_heads),
         num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(float(eps)), window_(window), packed_(packed),
         blocked_rows_(packed ? blocked_rows : 0) {
     TORCH_CHECK(embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16,
                 "native kernels run float32 or bfloat16 weights");
     TORCH_CHECK(head_dim % 32 == 0 && embed.size(1) % 16 == 0, "native kernels need head_dim % 32 == 0");
+    const int64_t hidden = embed.size(1), qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
     for (auto& w : layers) {
       TORCH_CHECK(w.size() == 10, "a layer has 10 weight slots");
       auto get = [&](int i) {  // packed weights are opaque oneDNN tensors, kept as they are
         if (!w[i].has_value()) return at::Tensor();
         return w[i]->layout() == at::kStrided ? w[i]->contiguous() : *w[i];
       };
-      Layer layer{get(0), get(1), get(2), get(3), get(4), get(5), get(6), get(7), get(8), get(9)};
-      layer.qkv_blocked = blocked(layer.qkv);
-      layer.o_blocked = blocked(layer.o_proj);
-      layer.gate_up_blocked = blocked(layer.gate_up);
-      layer.down_blocked = blocked(layer.down);
+      Layer layer{get(0), get(2), get(4), get(5), get(7), get(9)};
+      layer.down = matrix(get(8), hidden);
+      layer.qkv = matrix(get(1), qkv_width);
+      layer.o_proj = matrix(get(3), hidden);
+      layer.gate_up = matrix(get(6), 2 * layer.down.w.size(1));
       layers_.push_back(layer);
     }
-    lm_head_blocked_ = blocked(lm_head_);
+    lm_head_ = matrix(lm_head, embed.size(0));
   }
 
   // token_ids (T,) int64; segments (S, 4) int32 [q_start, q_len, start_pos, prompt]; tables (S, W)
-  // int32; logit_rows (R,) int64; kv (N, L, 2, tpb, kvh, hd). Returns float32 logits (R, V).
+  // int32; logit_rows (R,) int64; kv (N, L, 2, tpb, kvh, hd); lora: the step's rows by adapter.
+  // Returns float32 logits (R, V).
   at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& segments, const at::Tensor& tables,
-                     const at::Tensor& logit_rows, const at::Tensor& kv) {
+                     const at::Tensor& logit_rows, const at::Tensor& kv, const std::vector<LoraGroup>& lora) {
     TORCH_CHECK(kv.scalar_type() == embed_.scalar_type(), "KV dtype must equal the weights' dtype");
     check_segments(segments, tables);
-    if (embed_.scalar_type() == at::kBFloat16) return run<bf16>(token_ids, segments, tables, logit_rows, kv);
-    return run<float>(token_ids, segments, tables, logit_rows, kv);
+    for (const auto& [rows, weights] : lora)
+      TORCH_CHECK(weights && weights->layers.size() == layers_.size(), "a LoRA adapter of ", layers_.size(),
+                  " layers");
+    if (embed_.scalar_type() == at::kBFloat16) return run<bf16>(token_ids, segments, tables, logit_rows, kv, lora);
+    return run<float>(token_ids, segments, tables, logit_rows, kv, lora);
   }
 
   // A one-element int32 tensor that another thread may change while a step runs: each layer
@@ -76,16 +100,18 @@ class NativeModel {
     threads_ = source;
   }
 
-  // x (M, K) . w (N, K)^T + bias + residual, through the same dispatch the layers use.
+  // x (M, K) . w (N, K)^T + bias + residual, through the same dispatch the layers use (`columns`:
+  // N where w is panels).
   at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                    const c10::optional<at::Tensor>& residual) const {
-    return linear_(x.contiguous(), w, blocked(w), bias.value_or(at::Tensor()), residual.value_or(at::Tensor()));
+                    const c10::optional<at::Tensor>& residual, c10::optional<int64_t> columns) const {
+    const Matrix m = matrix(w, columns.value_or(w.size(0)));
+    return linear_(x.contiguous(), m, bias.value_or(at::Tensor()), residual.value_or(at::Tensor()));
   }
 
  private:
   template <typename T>
   at::Tensor run(const at::Tensor& token_ids, const at::Tensor& segments, const at::Tensor& tables,
-                 const at::Tensor& logit_rows, const at::Tensor& kv) {
+                 const at::Tensor& logit_rows, const at::Tensor& kv, const std::vector<LoraGroup>& lora) {
     const int64_t num_layers = kv.size(1), tpb = kv.size(3);
     TORCH_CHECK(num_layers == int64_t(layers_.size()), "KV tensor has ", num_layers, " layers");
     at::Tensor positions = at::empty({token_ids.size(0)}, at::kLong);
@@ -98,34 +124,50 @@ class NativeModel {
     at::Tensor h = embed_.index_select(0, token_ids);  // (T, H)
     for (int64_t i = 0; i < num_layers; ++i) {
       follow_thread_count();
-      h = layer<T>(layers_[i], i, h, cos_full, signed_sin, token_rows, segments, tables, kv);
+      h = layer<T>(layers_[i], i, h, cos_full, signed_sin, token_rows, segments, tables, kv, lora);
     }
-    if (logit_rows.size(0) == 0) return at::empty({0, lm_head_.size(0)}, at::kFloat);
+    if (logit_rows.size(0) == 0) return at::empty({0, embed_.size(0)}, at::kFloat);
     follow_thread_count();
     at::Tensor last = norm<T>(h.index_select(0, logit_rows), final_norm_);
-    return linear_(last, lm_head_, lm_head_blocked_, at::Tensor(), at::Tensor()).to(at::kFloat);
+    return linear_(last, lm_head_, at::Tensor(), at::Tensor()).to(at::kFloat);
   }
 
   template <typename T>
   at::Tensor layer(const Layer& w, int64_t index, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& token_rows, const at::Tensor& segments, const at::Tensor& tables,
-                   const at::Tensor& kv) {
+                   const at::Tensor& kv, const std::vector<LoraGroup>& lora) {
     const int64_t tokens = h.size(0), kvh = num_kv_heads_, hd = head_dim_;
-    at::Tensor qkv = linear_(norm<T>(h, w.input_norm), w.qkv, w.qkv_blocked, w.qkv_bias, at::Tensor());  // (T, (nh + 2 kvh) hd)
+    const at::Tensor x = norm<T>(h, w.input_norm);
+    at::Tensor qkv = linear_(x, w.qkv, w.qkv_bias, at::Tensor());  // (T, (nh + 2 kvh) hd)
+    add_lora(qkv, x, lora, index, kQkv);
     rope_and_store<T>(data<T>(qkv), tokens, num_heads_, kvh, hd, data<T>(cos), data<T>(sin), data<T>(kv), index,
                       kv.size(3), data<int64_t>(token_rows));
     at::Tensor attn = attention<T>(qkv, index, segments, tables, kv);
-    at::Tensor h2 = linear_(attn, w.o_proj, w.o_blocked, w.o_bias, h);
-    at::Tensor gate_up = linear_(norm<T>(h2, w.post_norm), w.gate_up, w.gate_up_blocked, w.gate_up_bias, at::Tensor());
+    at::Tensor h2 = projection_with_residual(attn, w.o_proj, w.o_bias, h, lora, index, kOProj);
+    const at::Tensor x2 = norm<T>(h2, w.post_norm);
+    at::Tensor gate_up = linear_(x2, w.gate_up, w.gate_up_bias, at::Tensor());
+    add_lora(gate_up, x2, lora, index, kGateUp);
     const int64_t inter = gate_up.size(1) / 2;
     at::Tensor act = at::empty({tokens, inter}, h.options());
     silu_mul<T>(data<T>(gate_up), tokens, inter, data<T>(act));
-    return linear_(act, w.down, w.down_blocked, w.down_bias, h2);
+    return projection_with_residual(act, w.down, w.down_bias, h2, lora, index, kDown);
   }
 
-  // In float32, chunks that start a sequence (no cached prefix, no window) go to torch's flash
-  // attention over their own q, k, v, which beats the float paged kernel on long prompts; in
-  // bf16 the packed tile kernel beats both, so every chunk reads the paged KV in place.
+  // residual + x . w^T + bias: the residual fused into the product, unless an adapter adds to
+  // this projection (then added after the deltas, rounding where the torch path rounds).
+  at::Tensor projection_with_residual(const at::Tensor& x, const Matrix& w, const at::Tensor& bias,
+                                      const at::Tensor& residual, const std::vector<LoraGroup>& lora, int64_t layer,
+                                      Projection p) const {
+    if (!has_lora(lora, layer, p)) return linear_(x, w, bias, residual);
+    at::Tensor y = linear_(x, w, bias, at::Tensor());
+    add_lora(y, x, lora, layer, p);
+    return residual + y;
+  }
+
+  // In float32 (where kFlashFloatPrompts), chunks that start a sequence (no cached prefix, no
+  // window) go to torch's flash attention over their own q, k, v, which beats the float paged
+  // kernel on long prompts; in bf16 the packed tile kernel beats both, so every chunk reads the
+  // paged KV in place.
   template <typename T>
   at::Tensor attention(const at::Tensor& qkv, int64_t layer, const at::Tensor& segments, const at::Tensor& tables,
                        const at::Tensor& kv) const {
@@ -135,7 +177,8 @@ class NativeModel {
     const Segment* segs = reinterpret_cast<const Segment*>(segments.data_ptr());
     std::vector<int32_t> paged;
     for (int32_t s = 0; s < segments.size(0); ++s) {
-      if (std::is_same_v<T, bf16> || segs[s].start_pos != 0 || window_ != 0 || segs[s].q_len < kQueryTile) {
+      if (!kFlashFloatPrompts || std::is_same_v<T, bf16> || segs[s].start_pos != 0 || window_ != 0 ||
+          segs[s].q_len < kQueryTile) {
         paged.push_back(s);
         continue;
       }
@@ -163,21 +206,26 @@ class NativeModel {
     return out;
   }
 
-  // Packed weights (bf16) go to oneDNN's kernel with the residual fused, or, for a step of at most
-  // `blocked_rows_` rows, to `blocked_linear` on the same bytes; plain ones (float32) to `at::linear`.
-  at::Tensor linear_(const at::Tensor& x, const at::Tensor& w, const bf16* blocked, const at::Tensor& bias,
-                     const at::Tensor& residual) const {
-    if (blocked && x.size(0) <= blocked_rows_) return blocked_linear(x, blocked, w.size(0), bias, residual);
-    if (packed_) return packed_linear(x, w, bias, residual);
-    at::Tensor y = at::linear(x, w, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+  // Panels (bf16 where the CPU has no bf16 products) go to `panel_linear`; oneDNN-packed weights
+  // (bf16) to oneDNN's kernel with the residual fused, or, for a step of at most `blocked_rows_`
+  // rows, to `blocked_linear` on the same bytes; plain ones (float32) to `at::linear`.
+  at::Tensor linear_(const at::Tensor& x, const Matrix& w, const at::Tensor& bias, const at::Tensor& residual) const {
+    if (is_panels(w.w)) return panel_linear(x, w.w, w.columns, bias, residual);
+    if (w.blocked && x.size(0) <= blocked_rows_) return blocked_linear(x, w.blocked, w.columns, bias, residual);
+    if (packed_) return packed_linear(x, w.w, bias, residual);
+    at::Tensor y = at::linear(x, w.w, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     return residual.defined() ? residual + y : y;
   }
 
-  // Where `blocked_linear` may read `w` (kept alive by this model): packed weights only, when
-  // the Python side found oneDNN's layout the one it reads (`blocked_rows` > 0).
-  const bf16* blocked(const at::Tensor& w) const {
-    const bool fits = w.defined() && w.layout() != at::kStrided && w.size(0) % kBlockColumns == 0 && w.size(1) % 2 == 0;
-    return blocked_rows_ > 0 && fits ? packed_data(w) : nullptr;
+  // `w` with its width and, where `blocked_linear` may read it (packed weights only, when the
+  // Python side found oneDNN's layout the one it reads: `blocked_rows` > 0), its bytes.
+  Matrix matrix(const at::Tensor& w, int64_t columns) const {
+    Matrix m{w, is_panels(w) ? columns : w.size(0), nullptr};
+    TORCH_CHECK(!is_panels(w) || (columns > (w.size(0) - 1) * kPanelColumns && columns <= w.size(0) * kPanelColumns),
+                "panels of ", w.size(0) * kPanelColumns, " columns for a matrix of ", columns);
+    const bool fits = w.layout() != at::kStrided && w.size(0) % kBlockColumns == 0 && w.size(1) % 2 == 0;
+    if (blocked_rows_ > 0 && fits) m.blocked = packed_data(w);
+    return m;
   }
 
   void follow_thread_count() const {
@@ -199,7 +247,8 @@ class NativeModel {
     }
   }
 
-  at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
+  at::Tensor embed_, final_norm_, inv_freq_;
+  Matrix lm_head_;
   at::Tensor threads_;  // undefined: no thread count to follow
   std::vector<Layer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
@@ -207,7 +256,6 @@ class NativeModel {
   int64_t window_;
   bool packed_;
   int64_t blocked_rows_;  // steps of at most this many rows read packed weights with `blocked_linear`
-  const bf16* lm_head_blocked_ = nullptr;
 };
 
 // q (T, >= nh * hd) rows (q heads first), kv (N, L, 2, tpb, kvh, hd) -> (T, nh * hd).
@@ -232,13 +280,21 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& kv, int64_t layer, c
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.attr("LEVEL") = pdserve::kLevel;
   m.def("attention", &pdserve::attention);
   m.def("blocked_layout", &pdserve::blocked_layout);
   m.def("use_amx_attention", &pdserve::use_amx_attention);
-  pybind11::class_<pdserve::NativeModel>(m, "NativeModel")
-      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, std::vector<std::vector<c10::optional<at::Tensor>>>,
-                          at::Tensor, int64_t, int64_t, int64_t, double, int64_t, bool, int64_t>())
-      .def("forward", &pdserve::NativeModel::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+  m.def("to_panels", &pdserve::to_panels);
+  py::class_<pdserve::LoraWeights, std::shared_ptr<pdserve::LoraWeights>>(m, "LoraWeights")
+      .def(py::init<const std::vector<std::vector<c10::optional<std::vector<at::Tensor>>>>&>());
+  py::class_<pdserve::NativeModel>(m, "NativeModel")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<std::vector<c10::optional<at::Tensor>>>,
+                    at::Tensor, int64_t, int64_t, int64_t, double, int64_t, bool, int64_t>())
+      .def("forward", &pdserve::NativeModel::forward, py::arg("token_ids"), py::arg("segments"), py::arg("tables"),
+           py::arg("logit_rows"), py::arg("kv"), py::arg("lora") = std::vector<pdserve::LoraGroup>(),
+           py::call_guard<py::gil_scoped_release>())
       .def("follow_threads", &pdserve::NativeModel::follow_threads)
-      .def("linear", &pdserve::NativeModel::linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("linear", &pdserve::NativeModel::linear, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("residual"),
+           py::arg("columns") = c10::optional<int64_t>(), py::call_guard<py::gil_scoped_release>());
 }

@@ -4,11 +4,7 @@
 // read once per tile, converted to float once, and prefetched while the previous one is used:
 // a few lines per key worked on, since a block's lines asked for all at once mostly wait (64
 // decode tokens over 300 keys, 1 thread: 75 ms prefetched in one burst, 36 spread out).
-//
-//   kv tensor (num_blocks, L, 2, tpb, kvh, hd); a segment is one sequence's chunk:
-//   | start_pos tokens already in KV | q_len new tokens (their K/V already written) |
-//   query token i sits at position start_pos + i and sees keys 0 .. start_pos + i
-//   (and only the last `window` of them when a sliding window is set).
+// (The tensor's layout and a segment's regions: ../paged.h.)
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -20,38 +16,12 @@
 #include <limits>
 #include <vector>
 
+#include "../paged.h"
 #include "amx_attention.h"
 #include "prefill_attention.h"
 #include "vec.h"
 
 namespace pdserve {
-
-struct KvLayout {
-  int64_t num_layers, tokens_per_block, num_kv_heads, head_dim;
-  int64_t kind_stride() const { return tokens_per_block * num_kv_heads * head_dim; }
-  int64_t block_stride() const { return num_layers * 2 * kind_stride(); }
-};
-
-struct Segment {
-  int32_t q_start, q_len, start_pos;
-  int32_t prompt;  // 1: prompt tokens (see `tiled`)
-};
-
-template <typename T>
-struct AttentionArgs {
-  const T* q;  // head h of token t at q + t * q_row_stride + h * hd
-  int64_t q_row_stride, num_heads;
-  const T* kv;
-  KvLayout layout;
-  int64_t layer;
-  const Segment* segments;
-  int64_t num_segments;
-  const int32_t* tables;  // (num_segments, table_width) physical block ids
-  int64_t table_width;
-  float scale;
-  int64_t window;  // 0: none
-  T* out;          // (T, num_heads * hd)
-};
 
 constexpr int64_t kQueryTile = 16;  // query tokens of one segment per work item
 // In bf16, prompt chunks and any chunk of at least kMinPackedTile tokens use the packed path,

@@ -1,0 +1,78 @@
+// Per-token kernels of a Llama layer on AVX2, 8 lanes at a time (widths are multiples of 16; the
+// caller checks): the AVX-512 level's kernels at half the width. Each rounds where the torch ops
+// it replaces round, so the native path computes what `engine/layers.py` computes, in one pass
+// over memory instead of several.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "vec.h"
+
+namespace pdserve {
+
+// out = (x * rsqrt(mean(x^2) + eps) rounded to T) * weight, per row of H (as F.rms_norm and HF).
+template <typename T>
+void rms_norm(const T* x, int64_t rows, int64_t H, const T* weight, float eps, T* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* xr = x + r * H;
+      __m256 squares = _mm256_setzero_ps();
+      for (int64_t i = 0; i < H; i += 8) squares = _mm256_fmadd_ps(load8(xr + i), load8(xr + i), squares);
+      const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(sum8(squares) / float(H) + eps));
+      for (int64_t i = 0; i < H; i += 8)
+        store8(out + r * H + i, _mm256_mul_ps(round8<T>(_mm256_mul_ps(load8(xr + i), inv)), load8(weight + i)));
+    }
+  });
+}
+
+// gate_up (rows, 2I) = [gate | up] -> out (rows, I) = silu(gate) * up, rounded as
+// F.silu(gate) * up rounds.
+template <typename T>
+void silu_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  at::parallel_for(0, rows, 4, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* gate = gate_up + r * 2 * I;
+      for (int64_t i = 0; i < I; i += 8) {
+        const __m256 g = load8(gate + i);
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        store8(out + r * I + i, _mm256_mul_ps(round8<T>(silu), load8(gate + I + i)));
+      }
+    }
+  });
+}
+
+// Rotates the q and k heads of each token's qkv row in place (half-split layout; cos and sin
+// tables (T, hd) in T, sin negated on its first half, as layers.py builds them), then stores
+// k and v into the paged KV tensor at the token's layer-0 row shifted to `layer`.
+template <typename T>
+void rope_and_store(T* qkv, int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t hd, const T* cos,
+                    const T* sin, T* kv_token_rows, int64_t layer, int64_t tokens_per_block,
+                    const int64_t* token_rows) {
+  const int64_t width = (num_heads + 2 * num_kv_heads) * hd, half = hd / 2, row_elems = num_kv_heads * hd;
+  at::parallel_for(0, tokens, 16, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      T* row = qkv + t * width;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        T* head = row + h * hd;
+        for (int64_t d = 0; d < half; d += 8) {
+          const __m256 x1 = load8(head + d), x2 = load8(head + half + d);
+          const T* c = cos + t * hd + d;
+          const T* s = sin + t * hd + d;
+          store8(head + d, _mm256_add_ps(round8<T>(_mm256_mul_ps(x1, load8(c))),
+                                         round8<T>(_mm256_mul_ps(x2, load8(s)))));
+          store8(head + half + d, _mm256_add_ps(round8<T>(_mm256_mul_ps(x2, load8(c + half))),
+                                                round8<T>(_mm256_mul_ps(x1, load8(s + half)))));
+        }
+      }
+      T* k_dst = kv_token_rows + (token_rows[t] + 2 * layer * tokens_per_block) * row_elems;
+      T* v_dst = kv_token_rows + (token_rows[t] + (2 * layer + 1) * tokens_per_block) * row_elems;
+      std::memcpy(k_dst, row + num_heads * hd, row_elems * sizeof(T));
+      std::memcpy(v_dst, row + (num_heads + num_kv_heads) * hd, row_elems * sizeof(T));
+    }
+  });
+}
+
+}  // namespace pdserve

@@ -1,0 +1,120 @@
+// Matrix products over bf16 weights on CPUs without bf16 arithmetic (AVX2 + FMA): oneDNN packs
+// no bf16 weights there and torch's bf16 products run a slow generic path, so the weights are
+// packed once, at load, into panels of 16 output columns and widened to float in registers.
+//
+// Panel p holds columns 16p .. 16p + 15 (zeros past N) for every input k in turn, each input's 16
+// weights as 8 pairs (column 16p + j, column 16p + 8 + j): one 32-byte load gives 16 weights, a
+// shift the first 8 columns as floats and a mask the other 8. A tile of 6 rows x 16 columns keeps
+// 12 accumulators in registers and reads each weight once per 6 rows; the rows are widened to
+// float once per call. Each output is one float sum over K in order (then bias, then residual,
+// then one rounding), so a row's result does not depend on the other rows of the step, and a
+// step of one row reads the weights at the memory's pace.
+#pragma once
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+
+#include "vec.h"
+
+namespace pdserve {
+
+constexpr int64_t kPanelColumns = 16;
+constexpr int kPanelRows = 6;  // rows per register tile: 6 x 2 accumulators
+
+// w (N, K) bf16 -> panels (ceil(N / 16), K, 16) in the layout above.
+inline at::Tensor to_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "to_panels: a (N, K) bf16 matrix");
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanelColumns - 1) / kPanelColumns;
+  at::Tensor padded = w.contiguous();
+  if (N % kPanelColumns) padded = at::cat({padded, at::zeros({panels * kPanelColumns - N, K}, w.options())});
+  // [p][h][j][k] -> [p][k][j][h]: column 16p + 8h + j, input k
+  return padded.view({panels, 2, 8, K}).permute({0, 3, 2, 1}).contiguous().view({panels, K, kPanelColumns});
+}
+
+inline bool is_panels(const at::Tensor& w) {
+  return w.defined() && w.dim() == 3 && w.size(2) == kPanelColumns && w.scalar_type() == at::kBFloat16;
+}
+
+// acc[r] = x row r . the panel's 16 columns, as (columns 0-7, columns 8-15).
+template <int R>
+inline void panel_tile(const float* x, int64_t K, const bf16* panel, __m256 (&acc)[kPanelRows][2]) {
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanelColumns));
+    const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
+      acc[r][0] = _mm256_fmadd_ps(xr, lo, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xr, hi, acc[r][1]);
+    }
+  }
+}
+
+template <int R = kPanelRows>
+inline void panel_rows(int64_t rows, const float* x, int64_t K, const bf16* panel, __m256 (&acc)[kPanelRows][2]) {
+  if constexpr (R > 0) {
+    if (rows == R) return panel_tile<R>(x, K, panel, acc);
+    return panel_rows<R - 1>(rows, x, K, panel, acc);
+  }
+}
+
+// y (M, N) bf16 = x (M, K) bf16 . w^T + bias + residual, w as panels; bias (N) and residual
+// (M, N) bf16 or undefined, added before the one rounding.
+inline at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& bias,
+                               const at::Tensor& residual) {
+  TORCH_CHECK(is_panels(panels) && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == panels.size(1),
+              "panel_linear: bf16 rows of the panels' K inputs");
+  TORCH_CHECK(N > (panels.size(0) - 1) * kPanelColumns && N <= panels.size(0) * kPanelColumns,
+              "panel_linear: ", N, " columns do not fill ", panels.size(0), " panels");
+  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0);
+  const at::Tensor xf = x.contiguous().to(at::kFloat);  // widened once: each row is read N / 16 times
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xs = xf.data_ptr<float>();
+  const bf16* w = reinterpret_cast<const bf16*>(panels.data_ptr());
+  const at::Tensor bias_c = bias.defined() ? bias.contiguous() : bias;
+  const at::Tensor residual_c = residual.defined() ? residual.contiguous() : residual;
+  TORCH_CHECK(!bias_c.defined() || (bias_c.scalar_type() == at::kBFloat16 && bias_c.numel() == N), "bias: (N,) bf16");
+  TORCH_CHECK(!residual_c.defined() || (residual_c.scalar_type() == at::kBFloat16 && residual_c.numel() == M * N),
+              "residual: (M, N) bf16");
+  const bf16* b = bias_c.defined() ? reinterpret_cast<const bf16*>(bias_c.data_ptr()) : nullptr;
+  const bf16* res = residual_c.defined() ? reinterpret_cast<const bf16*>(residual_c.data_ptr()) : nullptr;
+  bf16* ys = reinterpret_cast<bf16*>(y.data_ptr());
+  at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
+    __m256 acc[kPanelRows][2];
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t c0 = p * kPanelColumns, width = std::min(kPanelColumns, N - c0);
+      for (int64_t r0 = 0; r0 < M; r0 += kPanelRows) {
+        const int64_t rows = std::min<int64_t>(kPanelRows, M - r0);
+        panel_rows(rows, xs + r0 * K, K, w + p * K * kPanelColumns, acc);
+        for (int64_t r = 0; r < rows; ++r) {
+          bf16* dst = ys + (r0 + r) * N + c0;
+          const bf16* res_row = res ? res + (r0 + r) * N + c0 : nullptr;
+          if (width == kPanelColumns) {
+            for (int h = 0; h < 2; ++h) {
+              __m256 v = acc[r][h];
+              if (b) v = _mm256_add_ps(v, load8(b + c0 + 8 * h));
+              if (res_row) v = _mm256_add_ps(v, load8(res_row + 8 * h));
+              store8(dst + 8 * h, v);
+            }
+            continue;
+          }
+          alignas(32) float sums[kPanelColumns];  // the last, narrower panel: column by column
+          _mm256_store_ps(sums, acc[r][0]);
+          _mm256_store_ps(sums + 8, acc[r][1]);
+          for (int64_t c = 0; c < width; ++c) {
+            float v = sums[c];
+            if (b) v += to_float(b[c0 + c]);
+            if (res_row) v += to_float(res_row[c]);
+            dst[c] = to_bf16(v);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace pdserve

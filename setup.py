@@ -29,9 +29,10 @@ def kernel_extensions() -> tuple[list, dict]:
     unknown = set(chosen) - set(table["LEVELS"])
     if unknown:
         raise SystemExit(f"PDSERVE_KERNEL_LEVELS: no level {', '.join(sorted(unknown))}")
+    headers = sorted(str(p) for p in NATIVE.rglob("*.h"))  # a changed header builds again
     extensions = [
         CppExtension(f"pdserve.engine.model.native.{table['MODULE_PREFIX']}{level}", [str(NATIVE / "model.cpp")],
-                     extra_compile_args=[*table["COMMON_FLAGS"], *compiler_flags],
+                     depends=headers, extra_compile_args=[*table["COMMON_FLAGS"], *compiler_flags],
                      extra_link_args=["-fopenmp"], optional=True)
         for level, (_, compiler_flags) in table["LEVELS"].items() if level in chosen]
     return extensions, {"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)}

@@ -27,6 +27,8 @@ from pdserve.common.stats import WorkerRole
 ENV_PREFIX = cv.ENV_PREFIX
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+# --kernels: the ISA levels are those the native kernels are built for (engine/model/native/levels.py)
+KERNEL_CHOICES = ("auto", "native", "torch", "jit", "avx2", "avx512", "avx512_bf16", "amx")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
@@ -126,13 +128,14 @@ class WorkerSettings:
                                       help="a file the workers of one machine share: a worker with work also runs "
                                            "on the cores its idle peers' --num-threads leave (pdserve serve makes "
                                            "one for several workers); unset: always --num-threads")
-    kernels: str = opt("auto", parse=cv.choice("auto", "native", "torch"),
-                       help="auto: the native CPU kernels where they run, else torch ops")
+    kernels: str = opt("auto", parse=cv.choice(*KERNEL_CHOICES),
+                       help="auto: the native CPU kernels built for the best ISA level this CPU has, else torch "
+                            "ops; native: the same, or fail; avx2 | avx512 | avx512_bf16 | amx: that level; jit: "
+                            "compiled at start for this CPU (needs a C++ compiler); torch: torch ops")
     cache_dir: str | None = opt(factory=default_cache_dir, parse=cv.optional(cv.parse_str),
                                 help="directory keeping GGUF conversions for fast restarts ('' turns it off)")
     enable_lora: bool = opt(False, parse=cv.parse_bool,
-                            help="serve LoRA adapters (PEFT format) next to the base model; steps then run on "
-                                 "torch ops, not the native CPU kernels")
+                            help="serve LoRA adapters (PEFT format) next to the base model")
     lora_modules: tuple[str, ...] = opt((), parse=cv.parse_lora_modules,
                                         help="adapters loaded at start: name=path ... (or vLLM's JSON "
                                              "{\"name\": ..., \"path\": ...}); requests name them as their model")

@@ -114,8 +114,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     engine = build_threaded_engine(engine_spec(settings))
     loras = LoraRegistry(engine)
     if settings.enable_lora:
-        log.info("LoRA enabled (up to %d adapters of rank <= %d): every step runs on torch ops, not the native "
-                 "kernels", settings.max_loras, settings.max_lora_rank)
+        log.info("LoRA enabled (up to %d adapters of rank <= %d)", settings.max_loras, settings.max_lora_rank)
         loras.load_at_start(settings.lora_module_pairs)
     metrics = TransferMetrics()
     export_engine(metrics.registry, engine, settings.model_name)

@@ -49,12 +49,12 @@ class EngineSpec:
     scheduler: SchedulerConfig = SchedulerConfig()
     num_threads: int | None = None
     core_share_file: str | None = None  # shared with the machine's other workers (core_share.py); None: fixed
-    kernels: str = "auto"  # auto | native | torch (see ModelRunner.load)
+    kernels: str = "auto"  # settings.KERNEL_CHOICES (see ModelRunner.load)
     cache_dir: str | None = None  # keeps GGUF conversions (weights, tokenizer); None: no cache
     disk_cache_dir: str | None = None  # the disk KV tier's folder (below the host tier); None: no disk tier
     disk_cache_size: int = 4 << 30
     gpu_memory_utilization: float = 0.9  # of a GPU's total memory, for the whole process (memory_budget.py)
-    lora: LoraSettings | None = None  # None: no LoRA adapters (and the native kernels where they run)
+    lora: LoraSettings | None = None  # None: no LoRA adapters
 
 
 def build_llm_engine(spec: EngineSpec) -> LLMEngine:
@@ -114,7 +114,8 @@ def weights_fingerprint(model: str) -> list[tuple[str, int, int]]:
 
 def cpu_summary(engine: LLMEngine, runtime: dict[str, str]) -> str:
     """One line on how the engine uses the CPU, for the worker's start-up log."""
-    kernels = "native CPU kernels" if engine.runner.native is not None else "torch ops"
+    native = engine.runner.native
+    kernels = f"native CPU kernels ({native.level})" if native is not None else "torch ops"
     env = ", ".join(f"{k}={v}" for k, v in runtime.items())
     return (f"{kernels}; {torch.get_num_threads()} torch threads (on the engine's thread) on {usable_cores()} "
             f"usable cores (--num-threads sets it); {env}")

@@ -12,7 +12,7 @@ workers counts each request once, is in `engine/core/request_stats.py` and the R
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -47,6 +47,10 @@ def export_engine(registry: CollectorRegistry, engine: ThreadedEngine, model_nam
     recorder = EngineMetrics(registry, model_name, engine.info().max_model_len)
     engine.add_step_stats_listener(recorder.record)
     registry.register(EngineSnapshotCollector(engine.stats, engine.queues, model_name))
+    native = engine.engine.runner.native
+    kernels = Gauge("pdserve_cpu_kernels_info", "What runs the model's steps: the native kernels' ISA level "
+                    "(avx2, avx512, avx512_bf16, amx) or torch ops", ["model_name", "kernels"], registry=registry)
+    kernels.labels(model_name, native.level if native is not None else "torch").set(1)
 
 
 class EngineMetrics:

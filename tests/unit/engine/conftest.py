@@ -1,8 +1,8 @@
 """Fixtures: one set of tiny checkpoints per test session, built with model_builders."""
 import pytest
 
-from pdserve.engine.model.native import is_supported
 from model_builders import ARCHITECTURES, TinyCheckpoint, make_checkpoint
+from native_levels import LEVELS_HERE
 
 
 @pytest.fixture(scope="session")
@@ -11,9 +11,8 @@ def checkpoints(tmp_path_factory) -> dict[str, TinyCheckpoint]:
     return {kind: make_checkpoint(root / kind, kind) for kind in ARCHITECTURES}
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=[*LEVELS_HERE, "torch"])
 def kernels(request) -> str:
-    """Each forward path in turn: the native CPU kernels and plain torch ops."""
-    if request.param == "native" and not is_supported():
-        pytest.skip("the native kernels need an AVX-512 CPU; this one has none")
+    """Each forward path in turn: the native CPU kernels of every ISA level this CPU runs, each
+    forced, and plain torch ops."""
     return request.param

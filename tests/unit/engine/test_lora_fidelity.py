@@ -1,6 +1,7 @@
 """Multi-LoRA in the engine against PEFT, float32: requests for two random adapters and for the
-base model in one batch give PEFT's (and transformers') greedy tokens; a prefix cached under one
-adapter is never reused by another or by the base model; bad adapters are refused by name."""
+base model in one batch give PEFT's (and transformers') greedy tokens, on torch ops and on the
+native kernels of every ISA level this CPU runs; a prefix cached under one adapter is never reused
+by another or by the base model; bad adapters are refused by name."""
 import json
 
 import pytest
@@ -16,10 +17,21 @@ from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.lora_files import read_lora_checkpoint
 from pdserve.engine.model.lora import LoraSettings
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
-from tests.lora_builders import ATTENTION, greedy, make_adapter
+from tests.lora_builders import ATTENTION, greedy as peft_greedy, make_adapter
 from token_store_runner import CharTokenizer
 
 MAX_NEW = 8
+_references: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+
+
+def greedy(model: torch.nn.Module, tokens: list[int], max_new_tokens: int) -> list[int]:
+    """PEFT's (or transformers') greedy tokens, computed once per model and prompt."""
+    key = (id(model), tuple(tokens))
+    if key not in _references:
+        _references[key] = peft_greedy(model, tokens, max_new_tokens)
+    return _references[key]
+
+
 PROMPTS = [prompt(5, 1), prompt(17, 2), prompt(11, 3), prompt(26, 4), prompt(9, 5), prompt(14, 6)]
 
 
@@ -34,8 +46,9 @@ def family(request, checkpoints, tmp_path_factory):
     return base, {"first": (root / "first", first), "second": (root / "second", second)}
 
 
-def _engine(checkpoint, settings=LoraSettings(max_loras=2, max_lora_rank=8), budget=512) -> LLMEngine:
-    runner = load_runner(checkpoint, num_blocks=96, lora=settings)
+def _engine(checkpoint, settings=LoraSettings(max_loras=2, max_lora_rank=8), budget=512,
+            kernels="torch") -> LLMEngine:
+    runner = load_runner(checkpoint, num_blocks=96, lora=settings, kernels=kernels)
     kv = KvCacheManager(KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK), 96)
     return LLMEngine(runner, kv, CharTokenizer(), SchedulerConfig(8, budget, 64))
 
@@ -67,9 +80,9 @@ def _run(engine: LLMEngine, requests: list[GenerationRequest]) -> dict[str, tupl
     return out
 
 
-def test_one_batch_of_two_adapters_and_the_base_model_equals_peft(family):
+def test_one_batch_of_two_adapters_and_the_base_model_equals_peft(family, kernels):
     base, adapters = family
-    engine = _engine(base)
+    engine = _engine(base, kernels=kernels)
     ids = _loaded(engine, adapters)
     names = [None, "first", "second"]  # each prompt under each, interleaved in one batch
     requests = [_request(f"r{i}-{name}", p, ids.get(name)) for i, p in enumerate(PROMPTS) for name in names]
@@ -83,9 +96,9 @@ def test_one_batch_of_two_adapters_and_the_base_model_equals_peft(family):
     assert sum(got[f"r{i}-second"][0] != got[f"r{i}-None"][0] for i in range(len(PROMPTS))) >= len(PROMPTS) - 1
 
 
-def test_chunked_prefill_under_an_adapter_equals_peft(family):
+def test_chunked_prefill_under_an_adapter_equals_peft(family, kernels):
     base, adapters = family
-    engine = _engine(base, budget=7)  # chunks of odd lengths, adapters' rows split across steps
+    engine = _engine(base, budget=7, kernels=kernels)  # chunks of odd lengths, adapters' rows split across steps
     ids = _loaded(engine, adapters)
     got = _run(engine, [_request("a", PROMPTS[3], ids["first"]), _request("b", PROMPTS[1], ids["second"])])
     assert got["a"][0] == greedy(adapters["first"][1], PROMPTS[3], MAX_NEW)
@@ -159,7 +172,15 @@ def test_the_same_files_give_the_same_id_and_other_files_another(family):
     assert first.lora_id != second.lora_id and 0 <= first.lora_id < 2**63
 
 
-def test_lora_needs_torch_ops_not_the_native_kernels(checkpoints):
-    with pytest.raises(ConfigError, match="LoRA adapters run on torch ops"):
-        load_runner(checkpoints["llama"], kernels="native", lora=LoraSettings())
-    assert load_runner(checkpoints["llama"], kernels="auto", lora=LoraSettings()).native is None
+def test_lora_runs_on_the_native_kernels_where_they_run(checkpoints, family):
+    """With adapters enabled the native kernels still run the steps (each adapter's pairs copied
+    for them when it loads); torch ops only where asked for."""
+    base, adapters = family
+    native = load_runner(base, kernels="auto", lora=LoraSettings(max_loras=2, max_lora_rank=8))
+    if native.native is None:
+        pytest.skip("no native kernels run on this CPU")
+    engine = LLMEngine(native, KvCacheManager(KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK), 64), CharTokenizer(),
+                       SchedulerConfig(8, 512, 64))
+    ids = _loaded(engine, adapters)
+    assert all(native.lora.plan([(i, 1)]).groups[0][0].kernel_weights is not None for i in ids.values())
+    assert load_runner(base, kernels="torch", lora=LoraSettings()).native is None

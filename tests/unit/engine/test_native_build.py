@@ -1,17 +1,18 @@
-"""The native kernels' build folder: one builder at a time, no wait for ever, shared sources, one
-folder however it is reached."""
+"""The just-in-time build of the native kernels (`--kernels jit`, a developer's path): one builder
+at a time, no wait for ever, shared sources, one folder however it is reached, and a clear error
+without a compiler."""
 import fcntl
 import multiprocessing
 import time
 
 import pytest
 
-from pdserve.engine.model import native
+from pdserve.engine.model.native import KernelsUnavailable, jit, load_native
 
 
 def test_a_lock_file_left_by_a_killed_build_is_removed_not_waited_on(tmp_path):
     (tmp_path / "lock").write_text("")  # what torch's builder leaves when killed mid-build
-    with native._build_lock(tmp_path, wait_s=1.0):
+    with jit._build_lock(tmp_path, wait_s=1.0):
         assert not (tmp_path / "lock").exists()
 
 
@@ -32,36 +33,43 @@ def test_another_process_building_is_waited_on_within_a_bound(tmp_path):
         (tmp_path / "lock").write_text("")  # the holder's build in progress
         start = time.monotonic()
         with pytest.raises(TimeoutError):
-            with native._build_lock(tmp_path, wait_s=0.5):
+            with jit._build_lock(tmp_path, wait_s=0.5):
                 pass
         assert 0.5 <= time.monotonic() - start < 10
         assert (tmp_path / "lock").exists()  # a live builder's file is left alone
     finally:
         release.set()
         holder.join(30)
-    with native._build_lock(tmp_path, wait_s=5.0):  # the lock died with its holder's release
+    with jit._build_lock(tmp_path, wait_s=5.0):  # the lock died with its holder's release
         pass
 
 
 def test_sources_are_staged_once_and_rewritten_only_when_changed(tmp_path):
-    staged = native._staged_sources(tmp_path)
-    assert sorted(p.name for p in staged.iterdir()) == sorted(native.SOURCES)
-    before = {name: (staged / name).stat().st_mtime_ns for name in native.SOURCES}
-    (staged / "vec.h").write_text("stale")
+    staged = jit._staged_sources(tmp_path)
+    assert sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()) == sorted(jit.SOURCES)
+    assert {"model.cpp", "avx2/attention.h", "avx512/attention.h", "paged.h"} <= set(jit.SOURCES)
+    before = {name: (staged / name).stat().st_mtime_ns for name in jit.SOURCES}
+    (staged / "avx2/vec.h").write_text("stale")
     time.sleep(0.01)
-    native._staged_sources(tmp_path)
-    after = {name: (staged / name).stat().st_mtime_ns for name in native.SOURCES}
-    assert {n for n in native.SOURCES if after[n] != before[n]} == {"vec.h"}
-    assert (staged / "vec.h").read_text() != "stale"
+    jit._staged_sources(tmp_path)
+    after = {name: (staged / name).stat().st_mtime_ns for name in jit.SOURCES}
+    assert {n for n in jit.SOURCES if after[n] != before[n]} == {"avx2/vec.h"}
+    assert (staged / "avx2/vec.h").read_text() != "stale"
 
 
 def test_a_cache_reached_through_a_symlink_builds_in_the_folder_it_names(tmp_path, monkeypatch):
     built = []
-    monkeypatch.setattr(native, "is_supported", lambda: True)
-    monkeypatch.setattr(native, "_build", lambda build_dir: built.append(build_dir) or object())
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(jit, "_build", lambda build_dir: built.append(build_dir) or object())
+    monkeypatch.setattr(jit, "_loaded", {})
     (tmp_path / "cache").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "cache", target_is_directory=True)
-    first, second = native.load_native(str(tmp_path / "cache")), native.load_native(str(tmp_path / "link"))
+    first, second = jit.load_jit(str(tmp_path / "cache")), jit.load_jit(str(tmp_path / "link"))
     assert first is second
-    assert built == [(tmp_path / "cache").resolve() / "kernels" / native._cache_key()]
+    assert built == [(tmp_path / "cache").resolve() / "kernels" / jit._cache_key()]
+
+
+def test_without_a_compiler_the_jit_build_is_refused_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    with pytest.raises(KernelsUnavailable, match=r"no C\+\+ compiler \(no-such-c\+\+-compiler\) on PATH"):
+        load_native("jit", str(tmp_path))
+    assert not any((tmp_path / "kernels").glob("*/*.so"))

@@ -1,6 +1,7 @@
-"""The native CPU kernels against plain torch references: the matrix product on packed bf16
-weights (with bias, residual and ragged shapes) and paged attention (grouped-query heads,
-cached prefixes, sliding windows, scattered block tables), in float32 and bfloat16."""
+"""The native CPU kernels of every ISA level this CPU runs against plain torch references: paged
+attention (grouped-query heads, cached prefixes, sliding windows, scattered block tables) in
+float32 and bfloat16, and the runner on them (one packed copy of the weights, a prompt's bits
+however it is split, the thread count a step follows). Products: test_native_products.py."""
 import copy
 import gc
 from functools import partial
@@ -9,107 +10,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.model.native import is_supported, load_native
-from pdserve.engine.model.native_forward import pack, packs_weights
 from pdserve.engine.model.runner import ModelRunner
 
 from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
+from native_levels import LEVELS_HERE, level_module
+from test_native_products import matmul_model
 
-pytestmark = pytest.mark.skipif(not is_supported(), reason="the native kernels need an AVX-512 CPU")
 
-
-@pytest.fixture(scope="module")
-def native():
-    module = load_native(None)
-    assert module is not None, "the native kernels failed to build on an AVX-512 CPU"
-    return module
+@pytest.fixture(scope="module", params=LEVELS_HERE)
+def native(request):
+    return level_module(request.param)
 
 
 @pytest.fixture
 def tile_kernel(native, request):
-    """bf16 prompt tiles on AMX tile products ("amx"; skipped where the CPU or the build has
-    none) or kept off them ("no-amx": AVX512-BF16 dot products where the CPU has those)."""
+    """bf16 prompt tiles on AMX tile products ("amx"; skipped where the level or the CPU has
+    none) or kept off them ("no-amx": the level's other kernel)."""
     amx = request.param == "amx"
     if native.use_amx_attention(amx) != amx:
         native.use_amx_attention(True)
-        pytest.skip("no AMX tiles for attention on this CPU")
+        pytest.skip(f"no AMX tiles for attention at level {native.LEVEL} on this CPU")
     yield request.param
     native.use_amx_attention(True)
 
 
 BOTH_TILE_KERNELS = [(torch.float32, 1e-5, "no-amx"), (torch.bfloat16, 2e-2, "amx"), (torch.bfloat16, 2e-2, "no-amx")]
-
-
-def matmul_model(native, packed: bool, blocked_rows: int = 0):
-    """A weightless model for its `linear`; with `blocked_rows` only where oneDNN packs in the
-    layout `blocked_linear` reads (the model trusts the check `NativeForward` makes at load)."""
-    if blocked_rows:
-        w = torch.randn(128, 64).bfloat16()
-        packed_for_blocked_kernel(native, w)
-    e = torch.zeros(4, 64, dtype=torch.bfloat16)
-    return native.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, [], torch.ones(16), 1, 1, 64, 1e-5, 0,
-                              packed, blocked_rows)
-
-
-def packed_for_blocked_kernel(native, w: torch.Tensor) -> torch.Tensor:
-    """`pack(w)`, skipping the test where oneDNN lays it out otherwise than `blocked_linear` reads."""
-    if not packs_weights(torch.bfloat16):
-        pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 matrices stay plain")
-    packed = pack(w)
-    if not native.blocked_layout(packed, w):
-        pytest.skip("oneDNN packs bf16 weights in another layout on this CPU: blocked_linear stays off")
-    return packed
-
-
-@pytest.mark.parametrize("m, n, k", [(1, 64, 576), (3, 37, 100), (5, 16, 32), (16, 9, 1536), (70, 130, 31),
-                                     (7, 192, 1536), (13, 960, 576), (130, 128, 64)])
-@pytest.mark.parametrize("with_bias, with_residual", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("blocked_rows", [0, 128])
-def test_packed_bf16_matmul_equals_float_reference_rounded_once(native, m, n, k, with_bias, with_residual,
-                                                                blocked_rows):
-    if not packs_weights(torch.bfloat16):
-        pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 matrices stay plain")
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x, w = (torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16())
-    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    residual = torch.randn(m, n, generator=g).bfloat16() if with_residual else None
-    y = matmul_model(native, True, blocked_rows).linear(x, pack(w), bias, residual)
-    expected = x.float() @ w.float().T + (bias.float() if with_bias else 0) + (residual.float() if with_residual else 0)
-    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    torch.testing.assert_close(y.float(), expected.bfloat16().float(), atol=1e-2, rtol=1e-2)
-
-
-def test_blocked_layout_check_tells_the_packed_matrix_apart(native):
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(128, 96, generator=g).bfloat16()
-    packed = packed_for_blocked_kernel(native, w)
-    other = w.clone()
-    other[70, 95] += 1  # one element of a row the check reads only at its ends
-    assert not native.blocked_layout(packed, other)
-    assert not native.blocked_layout(w, w)  # a plain tensor is not a packed one
-    assert not native.blocked_layout(pack(w[:96]), w[:96])  # 96 columns: not whole 64-column blocks
-
-
-def test_blocked_rows_do_not_depend_on_the_rest_of_the_step(native):
-    """Each output is one sum over K in order: a row's bits are the same alone or beside others,
-    and within a bf16 step of oneDNN's result for the same rows."""
-    g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(23, 576, generator=g).bfloat16(), torch.randn(320, 576, generator=g).bfloat16()
-    residual = torch.randn(23, 320, generator=g).bfloat16()
-    packed = packed_for_blocked_kernel(native, w)
-    blocked = matmul_model(native, True, 128)
-    together = blocked.linear(x, packed, None, residual)
-    for first, count in ((0, 1), (5, 6), (11, 12)):
-        alone = blocked.linear(x[first:first + count], packed, None, residual[first:first + count])
-        assert torch.equal(alone, together[first:first + count])
-    onednn = matmul_model(native, True, 0).linear(x, packed, None, residual).float()
-    ulp = torch.finfo(torch.bfloat16).eps * onednn.abs().clamp_min(1e-30)
-    assert ((together.float() - onednn).abs() <= ulp).all()
-
-
-def test_plain_weights_go_to_torch_and_agree(native):
-    x, w = torch.randn(20, 64), torch.randn(48, 64)
-    assert torch.equal(matmul_model(native, False).linear(x, w, None, None), torch.nn.functional.linear(x, w))
 
 
 def reference_attention(q, kv, layer, segments, tables, num_heads, window):
@@ -206,25 +131,15 @@ def test_bf16_rows_are_the_same_bits_however_the_prompt_is_split(native, window,
         assert torch.equal(attend(sizes), whole), sizes
 
 
-def test_without_a_compiler_the_kernels_are_skipped_with_the_reason_logged(tmp_path, monkeypatch, caplog):
-    """A container image without build tools serves on torch ops instead of failing a build."""
-    monkeypatch.setenv("CXX", "no-such-c++-compiler")
-    with caplog.at_level("WARNING", logger="pdserve.engine.model.native"):
-        assert load_native(str(tmp_path)) is None
-    assert "no C++ compiler (no-such-c++-compiler) on PATH" in caplog.text
-    assert not any((tmp_path / "kernels").glob("*/*.so"))
-
-
 def maps() -> str:
     return Path("/proc/self/maps").read_text()
 
 
-def test_bf16_runner_holds_one_packed_copy_of_its_matrices(checkpoints, tmp_path):
-    """The native kernels take the bf16 matrices packed; the model's plain copies are let go,
-    what stays owns its memory (not the checkpoint's file map), and the model's torch forward
-    refuses instead of running on missing weights."""
-    if not packs_weights(torch.bfloat16):
-        pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 matrices stay plain")
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_bf16_runner_holds_one_packed_copy_of_its_matrices(checkpoints, tmp_path, level):
+    """The native kernels take the bf16 matrices packed (oneDNN's layout, or panels at AVX2);
+    the model's plain copies are let go, what stays owns its memory (not the checkpoint's file
+    map), and the model's torch forward refuses instead of running on missing weights."""
     copy.deepcopy(checkpoints["llama"].hf_model).to(torch.bfloat16).save_pretrained(tmp_path)
     load = partial(ModelRunner.load, tmp_path, dtype="bfloat16", device="cpu", num_blocks=64,
                    tokens_per_block=TOKENS_PER_BLOCK)
@@ -234,7 +149,7 @@ def test_bf16_runner_holds_one_packed_copy_of_its_matrices(checkpoints, tmp_path
     del plain
     gc.collect()
     assert weights_file not in maps()
-    runner = load(kernels="native")
+    runner = load(kernels=level)
     model = runner.model
     assert model.matrices_dropped and all(layer.qkv is None and layer.mlp.down is None for layer in model.layers)
     assert weights_file not in maps()  # what stays (embedding, norms) was copied out of it
@@ -245,15 +160,15 @@ def test_bf16_runner_holds_one_packed_copy_of_its_matrices(checkpoints, tmp_path
         model.forward(torch.tensor(ids), None, runner.kv, torch.tensor([0]))
 
 
-def test_bf16_prompt_comes_out_the_same_bits_whole_chunked_or_behind_a_cache(checkpoints, tmp_path):
-    """Every prompt token goes through the tile kernel however few a chunk leaves, so a 130-token
-    prompt's last logits, and the next decode step's, are the same bits computed whole (a tile of
-    128 and one of 2), as 127 + 3, 129 + 1 or 64 + 64 + 2, or as its last token behind 129 cached."""
-    if not packs_weights(torch.bfloat16):
-        pytest.skip("oneDNN has no bf16 kernels for this CPU: bf16 runs on torch ops")
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_bf16_prompt_comes_out_the_same_bits_whole_chunked_or_behind_a_cache(checkpoints, tmp_path, level):
+    """Every prompt row's arithmetic is its own (AVX-512: every prompt token through the tile
+    kernel however few a chunk leaves; AVX2: one path for every row), so a 130-token prompt's
+    last logits, and the next decode step's, are the same bits computed whole (a tile of 128 and
+    one of 2), as 127 + 3, 129 + 1 or 64 + 64 + 2, or as its last token behind 129 cached."""
     copy.deepcopy(checkpoints["llama"].hf_model).to(torch.bfloat16).save_pretrained(tmp_path)
     runner = ModelRunner.load(tmp_path, dtype="bfloat16", device="cpu", num_blocks=64,
-                              tokens_per_block=TOKENS_PER_BLOCK, kernels="native")
+                              tokens_per_block=TOKENS_PER_BLOCK, kernels=level)
     ids, blocks = prompt(130, seed=3), list(range(33))
 
     def complete(sizes: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,8 +192,9 @@ def test_segments_of_the_wrong_shape_are_refused(native):
                          torch.zeros(1, 1, dtype=torch.int32), 1, 1.0, 0)
 
 
-def test_float32_runner_keeps_plain_matrices(checkpoints):
-    model = load_runner(checkpoints["llama"], kernels="native").model
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_float32_runner_keeps_plain_matrices(checkpoints, level):
+    model = load_runner(checkpoints["llama"], kernels=level).model
     assert not model.matrices_dropped and model.layers[0].qkv is not None
 
 
@@ -286,7 +202,7 @@ def test_a_step_follows_the_thread_count_it_is_given_layer_by_layer(checkpoints,
     """`follow_threads`: each layer starts on the count in the buffer (another thread may raise
     it mid-step); the logits do not depend on it."""
     import array
-    runner = load_runner(checkpoints["llama"], kernels="native")
+    runner = load_runner(checkpoints["llama"], kernels=native.LEVEL)
     step = chunk("r", prompt(40, seed=5), 0, list(range(11)), is_prompt=True)
     before = torch.get_num_threads()
     try:

@@ -24,12 +24,12 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+from pdserve.common.settings import KERNEL_CHOICES
 from pdserve.engine.model.native.levels import LEVELS, MODULE_PREFIX
 
 log = logging.getLogger(__name__)
 
-LEVEL_NAMES = tuple(LEVELS)  # lowest first
-KERNEL_CHOICES = ("auto", "native", "torch", "jit", *LEVEL_NAMES)
+LEVEL_NAMES = tuple(LEVELS)  # lowest first; each also a choice of KERNEL_CHOICES
 _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86-64
 _loaded: dict[tuple[str, str | None], ModuleType | None] = {}  # None: torch ops (logged once)
 
@@ -78,7 +78,8 @@ def cpu_levels() -> tuple[str, ...]:
 
 def installed_levels() -> tuple[str, ...]:
     """The levels this CPU runs whose prebuilt kernels are installed, lowest first."""
-    return tuple(level for level in cpu_levels() if _find_spec(level))
+    return tuple(level for level in cpu_levels()
+                 if importlib.util.find_spec(f"{__name__}.{MODULE_PREFIX}{level}") is not None)
 
 
 def load_level(level: str) -> ModuleType:
@@ -90,11 +91,15 @@ def load_level(level: str) -> ModuleType:
         missing = sorted(set(LEVELS[level][0]) - cpu_flags())
         why = f"lacks {', '.join(missing)}" if missing else "does not lend this process its AMX tile state"
         raise KernelsUnavailable(f"this CPU {why}, so it cannot run the {level} kernels")
+    import torch  # noqa: F401  (the kernels link against torch's libraries, loaded with it)
+    name = f"{__name__}.{MODULE_PREFIX}{level}"
+    if importlib.util.find_spec(name) is None:
+        raise KernelsUnavailable(f"this install has no {level} kernels (pdserve was installed without compiling "
+                                 "them: install it from a wheel built with a C++ compiler, or run --kernels jit)")
     try:
-        return importlib.import_module(f"{__name__}.{MODULE_PREFIX}{level}")
+        return importlib.import_module(name)
     except ImportError as exc:
-        raise KernelsUnavailable(f"this install has no {level} kernels ({exc}); install pdserve from a wheel "
-                                 "built with a C++ compiler, or run --kernels jit") from exc
+        raise KernelsUnavailable(f"the {level} kernels failed to load: {exc}") from exc
 
 
 def load_native(choice: str = "auto", cache_dir: str | None = None) -> ModuleType | None:
@@ -141,7 +146,3 @@ def _load(choice: str, cache_dir: str | None) -> ModuleType | None:
         raise KernelsUnavailable(why)
     log.warning("native CPU kernels unavailable, using torch ops: %s", why)
     return None
-
-
-def _find_spec(level: str) -> bool:
-    return importlib.util.find_spec(f"{__name__}.{MODULE_PREFIX}{level}") is not None

@@ -1,6 +1,7 @@
 """Fixtures of the compose test: a Docker engine, the demo's images, the demo itself, and the
 same prompts answered by `pdserve serve --aggregated` on the host."""
 import contextlib
+import re
 import tempfile
 from pathlib import Path
 
@@ -76,17 +77,28 @@ def complete(url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
     return response.json()
 
 
+def kernels_of(log: str) -> str:
+    """The kernels a worker logged at start: a native level's name, or torch."""
+    found = re.search(r"CPU: native CPU kernels \((\w+)\)", log)
+    return found[1] if found else "torch"
+
+
 @pytest.fixture(scope="module")
-def reference(demo: Demo, tmp_path_factory) -> dict[str, dict]:
-    """Each prompt's greedy completion from `pdserve serve --aggregated` on the host, on the same
-    kernels the containers chose (an image without a compiler runs torch's CPU ops)."""
-    kernels = "torch" if "CPU: torch ops" in demo.logs("decode") else "auto"
+def host_server(demo: Demo, tmp_path_factory):
+    """`pdserve serve --aggregated` on the host, on the native kernels of the level the containers
+    chose (the same CPU): the URL, up until the module's tests are done."""
     port = free_port()
     log = tmp_path_factory.mktemp("reference") / "serve.log"
-    server = start(["serve", "--aggregated", "--port", str(port), "--kernels", kernels, "--max-model-len", "2048"],
-                   log)
+    server = start(["serve", "--aggregated", "--port", str(port), "--kernels", kernels_of(demo.logs("decode")),
+                    "--max-model-len", "2048"], log)
     try:
         wait_for_http(f"http://127.0.0.1:{port}", [server])
-        return {prompt: complete(f"http://127.0.0.1:{port}", prompt) for prompt in PROMPTS}
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop(server)
+
+
+@pytest.fixture(scope="module")
+def reference(host_server: str) -> dict[str, dict]:
+    """Each prompt's greedy completion from the host's server."""
+    return {prompt: complete(host_server, prompt) for prompt in PROMPTS}

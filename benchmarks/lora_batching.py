@@ -1,15 +1,14 @@
-"""The cost of LoRA batching in the model forward: prefill and decode throughput with LoRA off,
-and with 0, 1 and 4 adapters in the batch.
+"""The cost of LoRA batching in the model forward, on the native kernels and on torch ops in one
+run: prefill and decode throughput with LoRA off, and with 0, 1 and 4 adapters in the batch.
 
-A random-weight Llama (`model_forward.py`'s shape flags) runs on torch ops, the path a worker
-takes with `--enable-lora`; `--adapters` random adapters of rank `--rank` on every projection
-are loaded. Each case runs the same `--seqs` sequences: prefill of `--prompt-len` tokens each,
-then `--decode-steps` decode steps of one token per sequence, sequence i under adapter i mod k
-(k = 0: the base model, LoRA enabled but unused). The cases take turns for `--rounds` rounds and
-each keeps its best round (a shared machine's noise only ever slows a round down). Prints one
-JSON object (and writes it to `--json PATH`) in the set's shape (`README.md`), ratios against
-LoRA off on torch ops; the native kernels' figure with LoRA off is included where they run, for
-the price of leaving them.
+A random-weight Llama (`model_forward.py`'s shape flags) runs on each path; 4 random adapters of
+rank `--rank` on every projection are loaded. Each case runs the same `--seqs` sequences: prefill
+of `--prompt-len` tokens each, then `--decode-steps` decode steps of one token per sequence,
+sequence i under adapter i mod k (k = 0: the base model, LoRA enabled but unused). The cases take
+turns for `--rounds` rounds and each keeps its best round (a shared machine's noise only ever
+slows a round down). Prints one JSON object (and writes it to `--json PATH`) in the set's shape
+(`README.md`): ratios against LoRA off on the same path, and native over torch ops per case.
+(That the native path's tokens equal PEFT's: tests/unit/engine/test_lora_fidelity.py.)
 
     .venv/bin/python benchmarks/lora_batching.py --json results-lora-batching.json
 """
@@ -23,7 +22,7 @@ from model_forward import block_tables, random_runner  # sibling module: this di
 from pdserve.engine.loading.lora_files import TARGET_MODULES, LoraCheckpoint, LoraModule
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.lora import LoraAdapters, LoraSettings, projection_shape
-from pdserve.engine.model.native import is_supported
+from pdserve.engine.model.native import cpu_levels
 from pdserve.engine.model.runner import ModelRunner
 
 ADAPTERS_IN_BATCH = (0, 1, 4)
@@ -55,11 +54,13 @@ def random_adapter(runner: ModelRunner, seed: int, rank: int) -> LoraCheckpoint:
 
 
 def with_lora(runner: ModelRunner, args: argparse.Namespace) -> ModelRunner:
+    """`runner`'s model and forward path, with the adapters loaded."""
+    native = runner.native
     adapters = LoraAdapters(runner.config, LoraSettings(max(ADAPTERS_IN_BATCH), args.rank), runner.dtype,
-                            runner.device)
+                            runner.device, native.lora_weights if native else None)
     for seed in range(1, max(ADAPTERS_IN_BATCH) + 1):
         adapters.add(random_adapter(runner, seed, args.rank))
-    return ModelRunner(runner.model, runner.kv, runner.dtype, runner.device, None, adapters)
+    return ModelRunner(runner.model, runner.kv, runner.dtype, runner.device, native, adapters)
 
 
 def run_case(runner: ModelRunner, args: argparse.Namespace, num_adapters: int) -> dict:
@@ -89,13 +90,13 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.kernels = "torch"
-    plain = random_runner(args)
-    lora_runner = with_lora(plain, args)
-    runs = {"lora_off": (plain, 0), **{f"lora_on_{k}_adapters": (lora_runner, k) for k in ADAPTERS_IN_BATCH}}
-    if is_supported():
-        args.kernels = "auto"
-        runs["native_kernels_lora_off"] = (random_runner(args), 0)
+    runs = {}
+    for path in ("torch", "native") if cpu_levels() else ("torch",):
+        args.kernels = path
+        plain = random_runner(args)
+        lora_runner = with_lora(plain, args)
+        runs[f"{path}_lora_off"] = (plain, 0)
+        runs.update({f"{path}_lora_on_{k}_adapters": (lora_runner, k) for k in ADAPTERS_IN_BATCH})
     cases: dict[str, dict] = {}
     for _ in range(args.rounds):
         for name, (runner, k) in runs.items():
@@ -103,17 +104,24 @@ def main() -> None:
             best = cases.setdefault(name, result)
             for key, value in result.items():
                 best[key] = max(best[key], value)
-    off = cases["lora_off"]
+    ratios = {}
+    for name, figures in cases.items():
+        path, case = name.split("_", 1)
+        for phase in ("prefill", "decode"):
+            key = f"{phase}_tokens_per_s"
+            if case != "lora_off":
+                ratios[f"{phase} {name} / {path}_lora_off"] = round(figures[key] / cases[f"{path}_lora_off"][key], 3)
+            if path == "native":
+                ratios[f"{phase} {name} / torch_{case}"] = round(figures[key] / cases[f"torch_{case}"][key], 3)
+    level = runs["native_lora_off"][0].native.level if "native_lora_off" in runs else None
     result = {"benchmark": "lora_batching",
               "config": {**{k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate",
                                                           "vocab", "seqs", "prompt_len", "decode_steps", "rank",
                                                           "dtype", "rounds")},
-                         "threads": torch.get_num_threads(), "adapter_targets": list(TARGET_MODULES)},
+                         "threads": torch.get_num_threads(), "adapter_targets": list(TARGET_MODULES),
+                         "native_level": level},
               "results": [{"case": name, **figures} for name, figures in cases.items()],
-              "ratios": {f"{phase} {name} / lora_off": round(figures[f"{phase}_tokens_per_s"]
-                                                             / off[f"{phase}_tokens_per_s"], 3)
-                         for name, figures in cases.items() if name != "lora_off"
-                         for phase in ("prefill", "decode")}}
+              "ratios": ratios}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

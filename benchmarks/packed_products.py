@@ -1,12 +1,15 @@
-"""Time one step's matrix products alone: oneDNN's kernel against `blocked_linear`.
+"""Time one step's matrix products alone, in bf16, on the kernels of the level this CPU runs.
 
-Both read the same packed bf16 weights (SmolLM2-135M's shapes by default: per layer the fused
-QKV, output, fused gate/up and down projections, then the LM head), `--layers` distinct copies
-so that they stream from memory as in a real step. For each row count the two alternate
-`--rounds` times; each figure is the median of `--repeat` passes over every product. The JSON
-holds every round's figures, their medians and the ratio blocked / oneDNN per row count: the
-measurement behind `BLOCKED_ROWS` in `engine/model/native_forward.py` (on a CPU with AMX tiles,
-run it to see where oneDNN's tiles overtake the kernel).
+At the AVX-512 levels: oneDNN's kernel against `blocked_linear`, both on the same packed weights
+(the measurement behind `BLOCKED_ROWS` in `engine/model/native_forward.py`; on a CPU with AMX
+tiles, run it to see where oneDNN's tiles overtake the kernel). At the AVX2 level, where oneDNN
+packs no bf16: the panel kernel against torch's own bf16 product on plain weights (what `--kernels
+torch` runs) and against float32 weights through `at::linear` (what `--dtype float32` runs).
+SmolLM2-135M's shapes by default (per layer the fused QKV, output, fused gate/up and down
+projections, then the LM head), `--layers` distinct copies so that they stream from memory as in
+a real step. For each row count the kernels alternate `--rounds` times; each figure is the median
+of `--repeat` passes over every product. The JSON holds every round's figures, their medians and
+each kernel's ratio to the first.
 
     .venv/bin/python benchmarks/packed_products.py --threads 1 --rows 1,10,64 --json products.json
 """
@@ -17,8 +20,8 @@ import time
 
 import torch
 
-from pdserve.engine.model.native import load_native
-from pdserve.engine.model.native_forward import pack, packs_weights
+from pdserve.engine.model.native import KernelsUnavailable, load_native
+from pdserve.engine.model.native_forward import pack, weight_form
 
 
 def parse_args() -> argparse.Namespace:
@@ -31,58 +34,70 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def model_with(module, blocked_rows: int):
+def model_with(module, packed: bool, blocked_rows: int):
     """A weightless NativeModel, only for its `linear` (the layers' own dispatch)."""
     e = torch.zeros(4, 64, dtype=torch.bfloat16)
     return module.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, [], torch.ones(16), 1, 1, 64, 1e-5, 0,
-                              True, blocked_rows)
+                              packed, blocked_rows)
+
+
+def kernels_of(module, plains: list[torch.Tensor], max_rows: int) -> dict:
+    """name -> (product of x and one of the weights, the weights as it reads them), the level's
+    own kernel last."""
+    if weight_form(module, torch.bfloat16) == "panels":
+        panels = [(module.to_panels(w), w.shape[0]) for w in plains]
+        model = model_with(module, False, 0)
+        return {"torch_bf16": (lambda x, w: torch.nn.functional.linear(x, w), plains),
+                "torch_f32": (lambda x, w: torch.nn.functional.linear(x.float(), w), [w.float() for w in plains]),
+                "panels": (lambda x, w: model.linear(x, w[0], None, None, w[1]), panels)}
+    packed = [pack(w) for w in plains]
+    if not all(module.blocked_layout(p, w) for p, w in zip(packed, plains)):
+        raise SystemExit("oneDNN packs bf16 weights in another layout on this CPU: blocked_linear stays off")
+    onednn, blocked = model_with(module, True, 0), model_with(module, True, max_rows)
+    return {"onednn": (lambda x, w: onednn.linear(x, w, None, None), packed),
+            "blocked": (lambda x, w: blocked.linear(x, w, None, None), packed)}
 
 
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    module = load_native(None)
-    if module is None or not packs_weights(torch.bfloat16):
-        raise SystemExit("needs the native kernels and oneDNN's bf16 kernels on this CPU")
+    try:
+        module = load_native("native")
+    except KernelsUnavailable as exc:
+        raise SystemExit(f"needs the native kernels: {exc}") from None
     h, qkv = args.hidden, (args.heads + 2 * args.kv_heads) * args.head_dim
     shapes = [(qkv, h), (h, args.heads * args.head_dim), (2 * args.intermediate, h), (h, args.intermediate)]
     g = torch.Generator().manual_seed(0)
-    weights, layouts_read = [], []
-    for n, k in shapes * args.layers + [(args.vocab, h)]:
-        plain = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
-        weights.append(pack(plain))
-        layouts_read.append(module.blocked_layout(weights[-1], plain))
-    if not all(layouts_read):
-        raise SystemExit("oneDNN packs bf16 weights in another layout on this CPU: blocked_linear stays off")
+    plains = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k in shapes * args.layers + [(args.vocab, h)]]
     row_counts = [int(r) for r in args.rows.split(",")]
-    kernels = {"onednn": model_with(module, 0), "blocked": model_with(module, max(row_counts))}
+    kernels = kernels_of(module, plains, max(row_counts))
+    del plains
 
-    def one_pass(model, xs) -> float:
+    def one_pass(product, weights, xs) -> float:
         start = time.perf_counter()
-        for w in weights:
-            model.linear(xs[w.shape[1]], w, None, None)
+        for w, k in zip(weights, [k for _, k in shapes] * args.layers + [h]):
+            product(xs[k], w)
         return time.perf_counter() - start
 
-    results = []
+    results, first = [], next(iter(kernels))
     for m in row_counts:
         xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {k for _, k in shapes}}
         rounds = {name: [] for name in kernels}
         for _ in range(args.rounds):
-            for name, model in kernels.items():
-                one_pass(model, xs)  # warm
-                rounds[name].append(statistics.median(one_pass(model, xs) for _ in range(args.repeat)) * 1e3)
+            for name, (product, weights) in kernels.items():
+                one_pass(product, weights, xs)  # warm
+                rounds[name].append(statistics.median(one_pass(product, weights, xs) for _ in range(args.repeat)) * 1e3)
         medians = {name: statistics.median(ms) for name, ms in rounds.items()}
         row = {"rows": m, "rounds_ms": rounds, "median_ms": medians,
-               "ratio_blocked_to_onednn": medians["blocked"] / medians["onednn"]}
+               "ratios": {f"{name}_to_{first}": medians[name] / medians[first] for name in kernels if name != first}}
         results.append(row)
-        print(f"{m:5d} rows: oneDNN {medians['onednn']:8.2f} ms  blocked {medians['blocked']:8.2f} ms  "
-              f"ratio {row['ratio_blocked_to_onednn']:.2f}", flush=True)
+        print(f"{m:5d} rows: " + "  ".join(f"{name} {ms:8.2f} ms" for name, ms in medians.items()), flush=True)
     weight_bytes = sum(n * k * 2 for n, k in shapes * args.layers + [(args.vocab, h)])
     result = {"benchmark": "packed_products",
               "config": {**{k: v for k, v in vars(args).items() if k != "json"}, "weight_bytes": weight_bytes,
-                         "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+                         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "level": module.LEVEL},
               "results": results,
-              "ratios": {f"blocked_to_onednn_{r['rows']}_rows": r["ratio_blocked_to_onednn"] for r in results}}
+              "ratios": {f"{name}_{r['rows']}_rows": value for r in results for name, value in r["ratios"].items()}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

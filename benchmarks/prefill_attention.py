@@ -6,7 +6,8 @@ they lie in the paged cache (the worker's path); torch's `scaled_dot_product_att
 each prompt's K and V gathered into contiguous tensors (gathering included in its time). The two
 alternate `--rounds` times; each figure is one layer's time (mean of `--repeat` calls) scaled to
 `--layers`; the JSON holds every round's figures, their medians and the ratio of the medians. On a CPU with AMX
-tiles both kernels multiply on them; elsewhere the native one uses AVX512-BF16 dot products.
+tiles both kernels multiply on them; elsewhere the native one uses AVX512-BF16 dot products, or at
+the AVX2 level float FMAs on K and V widened once per 32-key chunk.
 
     .venv/bin/python benchmarks/prefill_attention.py --prompt-len 1024 --json attn.json
 """
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from pdserve.engine.model.native import load_native
+from pdserve.engine.model.native import KernelsUnavailable, load_native
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,9 +73,10 @@ def per_model_ms(run, repeat: int, layers: int) -> float:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    module = load_native(None)
-    if module is None:
-        raise SystemExit("the native kernels do not run on this CPU (they need AVX-512)")
+    try:
+        module = load_native("native")
+    except KernelsUnavailable as exc:
+        raise SystemExit(f"needs the native kernels: {exc}") from None
     problem = Problem(args)
     runs = {"native": lambda: problem.native(module), "torch_flash": problem.flash}
     max_diff = (runs["native"]().float() - runs["torch_flash"]().float()).abs().max().item()
@@ -85,7 +87,7 @@ def main() -> None:
             ms = per_model_ms(run, args.repeat, args.layers)
             rows.append({"kernel": name, "round": r, "ms_per_model": ms, "tokens_per_s": tokens / (ms / 1e3)})
     medians = {name: statistics.median(row["ms_per_model"] for row in rows if row["kernel"] == name) for name in runs}
-    config = {**vars(args), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    config = {**vars(args), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "level": module.LEVEL}
     result = {
         "benchmark": "prefill_attention", "config": config,
         "results": rows, "median_ms_per_model": medians,

@@ -193,8 +193,11 @@ def test_segments_of_the_wrong_shape_are_refused(native):
 
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
-def test_float32_runner_keeps_plain_matrices(checkpoints, level):
+def test_float32_runner_keeps_plain_matrices_except_in_the_avx2_levels_panels(checkpoints, level):
     model = load_runner(checkpoints["llama"], kernels=level).model
+    if level == "avx2":
+        assert model.matrices_dropped and model.layers[0].qkv is None
+        return
     assert not model.matrices_dropped and model.layers[0].qkv is not None
 
 

@@ -39,24 +39,27 @@ def test_bf16_products_equal_float_reference_rounded_once(native, m, n, k, with_
     torch.testing.assert_close(y.float(), expected.bfloat16().float(), atol=1e-2, rtol=1e-2)
 
 
-def test_panel_products_are_one_float_sum_per_output_in_order(native):
-    """Each output of the panel kernel is sum_k x[k] w[k] in float, in order of k, then + bias,
-    then + residual, rounded once: exactly the float32 loop, checked element for element."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_panel_products_are_one_float_sum_per_output_in_order(native, dtype):
+    """Each output of the panel kernel is sum_k x[k] w[k] in float (one rounding per step: a
+    fused multiply-add), in order of k, then + bias, then + residual, rounded once to the dtype:
+    exactly that loop, checked element for element (in float64, exact for bf16 products)."""
     g = torch.Generator().manual_seed(5)
-    x, w = torch.randn(7, 40, generator=g).bfloat16(), torch.randn(21, 40, generator=g).bfloat16()
-    bias, residual = torch.randn(21, generator=g).bfloat16(), torch.randn(7, 21, generator=g).bfloat16()
+    x, w = torch.randn(7, 40, generator=g).to(dtype), torch.randn(21, 40, generator=g).to(dtype)
+    bias, residual = torch.randn(21, generator=g).to(dtype), torch.randn(7, 21, generator=g).to(dtype)
     y = matmul_model(native, False).linear(x, native.to_panels(w), bias, residual, 21)
-    products = x.float()[:, None, :] * w.float()[None, :, :]  # (7, 21, 40), each exact in float
+    products = x.double()[:, None, :] * w.double()[None, :, :]  # (7, 21, 40)
     sums = torch.zeros(7, 21)
     for k in range(40):
-        sums = sums + products[:, :, k]
-    assert torch.equal(y, ((sums + bias.float()) + residual.float()).bfloat16())
+        sums = (sums.double() + products[:, :, k]).float()  # fma: the exact product, one rounding
+    assert torch.equal(y, ((sums + bias.float()) + residual.float()).to(dtype))
 
 
-def test_panel_rows_do_not_depend_on_the_rest_of_the_step(native):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_panel_rows_do_not_depend_on_the_rest_of_the_step(native, dtype):
     g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(23, 576, generator=g).bfloat16(), torch.randn(333, 576, generator=g).bfloat16()
-    residual = torch.randn(23, 333, generator=g).bfloat16()
+    x, w = torch.randn(23, 576, generator=g).to(dtype), torch.randn(333, 576, generator=g).to(dtype)
+    residual = torch.randn(23, 333, generator=g).to(dtype)
     model, panels = matmul_model(native, False), native.to_panels(w)
     together = model.linear(x, panels, None, residual, 333)
     for first, count in ((0, 1), (5, 6), (11, 12)):
@@ -70,8 +73,10 @@ def test_panels_of_the_wrong_width_are_refused(native):
     for columns in (32, 49):
         with pytest.raises(RuntimeError, match="panels of 48 columns for a matrix of"):
             model.linear(x, panels, None, None, columns)
-    with pytest.raises(RuntimeError, match="bf16 rows of the panels' K inputs"):
+    with pytest.raises(RuntimeError, match="rows of the panels' K inputs, in their dtype"):
         model.linear(torch.randn(2, 63).bfloat16(), panels, None, None, 40)
+    with pytest.raises(RuntimeError, match="rows of the panels' K inputs, in their dtype"):
+        model.linear(torch.randn(2, 64), panels, None, None, 40)
 
 
 def test_plain_weights_go_to_torch_and_agree(native):

@@ -55,10 +55,11 @@ def blocked_rows(layouts_read: list[bool]) -> int:
 
 
 def weight_form(module, dtype: torch.dtype) -> str:
-    """How the kernels of `module` take the model's matrices in `dtype`: "panels" (bf16 at the
-    AVX2 level, whose CPUs have no bf16 products), "onednn" (bf16 where oneDNN has bf16 kernels)
-    or "plain" (float32)."""
-    if dtype == torch.bfloat16 and module.LEVEL == "avx2":
+    """How the kernels of `module` take the model's matrices in `dtype`: "panels" (the AVX2
+    level's own packing, bf16 and float32: those CPUs have no bf16 products, and `at::linear`
+    reads float32 at 0.4x the memory's pace for one row), "onednn" (bf16 where oneDNN has bf16
+    kernels) or "plain" (float32 through `at::linear`)."""
+    if module.LEVEL == "avx2":
         return "panels"
     return "onednn" if packs_weights(dtype) else "plain"
 

@@ -62,7 +62,7 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
         torch.set_num_threads(spec.num_threads)
     config = load_model_config(spec.model)
     device = resolve_device(spec.device)
-    model_dtype = resolve_dtype(spec.dtype, config)
+    model_dtype = resolve_dtype(spec.dtype, config, device)
     per_block = bytes_per_block(config, spec.kv.tokens_per_block, kv_storage_dtype(spec.kv_cache_dtype, model_dtype))
     num_blocks = spec.kv.num_blocks(per_block, kv_memory_budget(spec, config, model_dtype, device))
     max_len = spec.scheduler.max_model_len

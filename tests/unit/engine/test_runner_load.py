@@ -42,6 +42,17 @@ def test_auto_dtype_follows_the_checkpoint(tmp_path, checkpoints):
     assert load_runner(checkpoints["llama"], dtype="auto").dtype == torch.float32
 
 
+def test_auto_dtype_of_a_float16_checkpoint_on_a_cpu_is_float32(tmp_path, checkpoints):
+    """float32 holds every float16 weight exactly and runs on the native kernels; float16 would
+    run on torch ops. Asked for by name, float16 is served as asked."""
+    shutil.copytree(checkpoints["llama"].path, tmp_path / "m")
+    config_path = tmp_path / "m" / "config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"dtype": "float16"}))
+    runner = ModelRunner.load(tmp_path / "m", dtype="auto", device="cpu", num_blocks=4)
+    assert (runner.dtype, runner.kv_tensor.dtype) == (torch.float32, torch.float32)
+    assert ModelRunner.load(tmp_path / "m", dtype="float16", device="cpu", num_blocks=4).dtype == torch.float16
+
+
 def test_unsupported_architecture(tmp_path, checkpoints):
     shutil.copytree(checkpoints["llama"].path, tmp_path / "m")
     config_path = tmp_path / "m" / "config.json"

@@ -40,10 +40,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
-    """`auto` takes the checkpoint's own dtype when it is one we serve, else float32."""
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto`: the fastest dtype that keeps the checkpoint's numbers. The checkpoint's own dtype
+    where it is one we serve (bf16 and float32 run on the native CPU kernels at every level),
+    but float16 becomes float32 on a CPU: float32 holds every float16 exactly and the native
+    kernels run it, where float16 runs on torch ops (SmolLM2-135M on an AVX2 CPU, batch-1 decode
+    step: README, "Default dtype"). A GGUF file's config says bfloat16. Else float32."""
     if name == "auto":
-        return DTYPES.get(config.torch_dtype or "", torch.float32)
+        dtype = DTYPES.get(config.torch_dtype or "", torch.float32)
+        return torch.float32 if dtype == torch.float16 and device.type == "cpu" else dtype
     if name not in DTYPES:
         raise ConfigError("dtype", name, f"supported: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -64,7 +69,7 @@ def load_checkpoint(path: str | Path, dtype: str = "auto", device: str | torch.d
     """Config plus every tensor, cast to the serving dtype and moved to the device.
     `cache_dir` keeps a GGUF file's conversion for the next load (HF directories ignore it)."""
     path, target = Path(path), resolve_device(device)
-    serving_dtype = resolve_dtype(dtype, load_model_config(path))  # from the source, never from a cache
+    serving_dtype = resolve_dtype(dtype, load_model_config(path), target)  # from the source, never from a cache
     if _is_gguf(path):
         hf_config, raw = _read_gguf(path, serving_dtype, cache_dir)  # dequantized straight to it
         tensors = iter(raw.items())

@@ -48,7 +48,7 @@ class ModelRunner:
             raise ConfigError("num_blocks", num_blocks, "give exactly one of num_blocks and kv_cache_bytes")
         # Every setting is checked, and the KV tensor allocated, before the weights are read.
         config, target = load_model_config(model_path), resolve_device(device)
-        model_dtype = resolve_dtype(dtype, config)
+        model_dtype = resolve_dtype(dtype, config, target)
         storage = kv_storage_dtype(kv_cache_dtype, model_dtype)
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(config, tokens_per_block, storage, kv_cache_bytes)

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.model_source import default_model_path
-from pdserve.common.settings import default_cache_dir
 from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 
 # The process tests size their prompts and cached-token counts in 16-token KV blocks; a CPU
@@ -30,11 +29,5 @@ def smollm_tokenizer(smollm_gguf_path) -> Tokenizer:
 @pytest.fixture(scope="session")
 def serve_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One `--cache-dir` for the session's `pdserve serve` processes: the bundled model is
-    converted once, not once per test. Its `kernels` folder is the default cache's, which the
-    workers started with `--cache-dir ""` fill too, so the native kernels compile (~40 s on two
-    cores) once per session and CPU rather than once per test."""
-    directory = tmp_path_factory.mktemp("serve-cache")
-    kernels = Path(default_cache_dir()) / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (directory / "kernels").symlink_to(kernels, target_is_directory=True)
-    return directory
+    converted once, not once per test."""
+    return tmp_path_factory.mktemp("serve-cache")

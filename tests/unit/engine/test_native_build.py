@@ -6,6 +6,7 @@ import multiprocessing
 import time
 
 import pytest
+import torch
 
 from pdserve.engine.model.native import KernelsUnavailable, jit, load_native
 
@@ -73,3 +74,27 @@ def test_without_a_compiler_the_jit_build_is_refused_with_the_reason(tmp_path, m
     with pytest.raises(KernelsUnavailable, match=r"no C\+\+ compiler \(no-such-c\+\+-compiler\) on PATH"):
         load_native("jit", str(tmp_path))
     assert not any((tmp_path / "kernels").glob("*/*.so"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_prebuilt_kernels_compute_the_bits_of_the_ones_compiled_for_this_cpu(checkpoints, tmp_path_factory, dtype):
+    """The prebuilt level this CPU runs and the just-in-time build for it (`-march=native`, the
+    kernels as they were built before levels) do the same arithmetic: the same logits, bit for bit."""
+    from model_builders import chunk, load_runner, prompt, run
+    from native_levels import LEVELS_HERE
+
+    if not LEVELS_HERE:
+        pytest.skip("this CPU runs none of the levels")
+    cache = tmp_path_factory.getbasetemp() / "jit-kernels"  # one build per session
+    ids, blocks = prompt(37, seed=9), list(range(12))
+
+    def logits(kernels: str) -> list[torch.Tensor]:
+        runner = load_runner(checkpoints["llama"], dtype=dtype, kernels=kernels, cache_dir=str(cache))
+        [last] = run(runner, chunk("r", ids, 0, blocks, is_prompt=True))
+        [after] = run(runner, chunk("r", [int(last.argmax())], len(ids), blocks))
+        return [last, after]
+
+    jit, prebuilt = logits("jit"), logits(LEVELS_HERE[-1])
+    assert load_native("jit", str(cache)).LEVEL == LEVELS_HERE[-1]
+    assert all(torch.equal(a, b) for a, b in zip(jit, prebuilt, strict=True))

@@ -286,9 +286,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_layout", &pdserve::blocked_layout);
   m.def("use_amx_attention", &pdserve::use_amx_attention);
   m.def("to_panels", &pdserve::to_panels);
-  py::class_<pdserve::LoraWeights, std::shared_ptr<pdserve::LoraWeights>>(m, "LoraWeights")
+  // module_local: every level's build (and the just-in-time one) defines these same C++ types, and
+  // one process may load several (tests force each level in turn); pybind11 would refuse the
+  // second registration of a type shared across modules.
+  py::class_<pdserve::LoraWeights, std::shared_ptr<pdserve::LoraWeights>>(m, "LoraWeights", py::module_local())
       .def(py::init<const std::vector<std::vector<c10::optional<std::vector<at::Tensor>>>>&>());
-  py::class_<pdserve::NativeModel>(m, "NativeModel")
+  py::class_<pdserve::NativeModel>(m, "NativeModel", py::module_local())
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<std::vector<c10::optional<at::Tensor>>>,
                     at::Tensor, int64_t, int64_t, int64_t, double, int64_t, bool, int64_t>())
       .def("forward", &pdserve::NativeModel::forward, py::arg("token_ids"), py::arg("segments"), py::arg("tables"),

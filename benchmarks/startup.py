@@ -7,15 +7,21 @@ count as they do for a real start:
   filling an empty cache, and reading a filled one;
 - router: `load_tokenizer` without and with the cache (and whether torch got imported);
 - with `--serve`: `pdserve serve` until it prints its ready banner, then one completion,
-  with the peak RSS (VmHWM) of its processes summed, for an empty and a filled cache.
+  with the peak RSS (VmHWM) of its processes summed and the kernels its workers run (from their
+  start-up log), for an empty and a filled cache.
+`--python` runs every child with another environment's interpreter (pdserve installed there from
+a wheel, say), and `--no-compiler` with no C++ compiler reachable (CC and CXX /bin/false, PATH
+only that interpreter's folder): what a machine or image without build tools does.
 A benchmark, not a test: nothing here is asserted.
 
     python benchmarks/startup.py --json startup.json [--serve [--serve-flags='--aggregated --kv-cache-memory 256MiB']]
+    python benchmarks/startup.py --serve --python /tmp/wheel-venv/bin/python --no-compiler --json startup.json
 """
 import argparse
 import json
 import os
 import platform
+import re
 import resource
 import shlex
 import socket
@@ -82,10 +88,19 @@ def measure_tokenizer(args: argparse.Namespace) -> dict:
 CHILDREN = {"parse": measure_parse, "worker": measure_worker, "tokenizer": measure_tokenizer}
 
 
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment: this one, or one where no C++ compiler can be reached."""
+    if not args.no_compiler:
+        return dict(os.environ)
+    keep = {k: v for k, v in os.environ.items() if k in ("HOME", "LANG", "LC_ALL", "TMPDIR", "PDSERVE_BLOCK_SIZE")}
+    return {**keep, "PATH": str(Path(args.python).parent), "CC": "/bin/false", "CXX": "/bin/false"}
+
+
 def run_child(kind: str, args: argparse.Namespace, cache_dir: str = "") -> dict:
-    command = [sys.executable, __file__, "--child", kind, "--dtype", args.dtype, "--kv-mib", str(args.kv_mib),
+    command = [args.python, __file__, "--child", kind, "--dtype", args.dtype, "--kv-mib", str(args.kv_mib),
                "--cache-dir", cache_dir]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=True,
+                          env=child_env(args))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -106,21 +121,23 @@ def vm_hwm_mib(pid: int) -> float:
 
 
 def measure_serve(args: argparse.Namespace, cache_dir: str) -> dict:
-    """`pdserve serve` until its banner, one completion, peak RSS; then stop it."""
+    """`pdserve serve` until its banner, one completion, peak RSS, its workers' kernels; then stop it."""
     port, worker_port = free_port(), free_port()
-    command = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port",
-               str(worker_port), "--dtype", args.dtype, "--cache-dir", cache_dir, "--log-level", "warning",
-               *shlex.split(args.serve_flags)]
+    command = [args.python, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port",
+               str(worker_port), "--dtype", args.dtype, "--cache-dir", cache_dir, *shlex.split(args.serve_flags)]
     start = time.perf_counter()
-    serve = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        ready_s = _wait_for_banner(serve, start)
-        answer_s = _one_completion(port) if ready_s is not None else None
-        processes = [serve.pid, *descendants(serve.pid)]
-        peaks = {pid: vm_hwm_mib(pid) for pid in processes}
-    finally:
-        stop_process(serve)
-    return {"ready_s": ready_s, "first_completion_s": answer_s,
+    with tempfile.TemporaryFile("w+") as log:
+        serve = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=child_env(args))
+        try:
+            ready_s = _wait_for_banner(serve, start)
+            answer_s = _one_completion(port) if ready_s is not None else None
+            processes = [serve.pid, *descendants(serve.pid)]
+            peaks = {pid: vm_hwm_mib(pid) for pid in processes}
+        finally:
+            stop_process(serve)
+        log.seek(0)
+        kernels = sorted(set(re.findall(r"CPU: (native CPU kernels \(\w+\)|torch ops)", log.read())))
+    return {"ready_s": ready_s, "first_completion_s": answer_s, "kernels": kernels,
             "peak_rss_mib_per_process": list(peaks.values()), "peak_rss_mib_sum": sum(peaks.values())}
 
 
@@ -151,7 +168,8 @@ def _one_completion(port: int) -> float:
 
 def run_all(args: argparse.Namespace) -> dict:
     results: dict = {"machine": platform.platform(), "cpus": os.cpu_count(), "dtype": args.dtype,
-                     "kv_mib": args.kv_mib, "serve_flags": args.serve_flags, "parse": run_child("parse", args)}
+                     "kv_mib": args.kv_mib, "serve_flags": args.serve_flags, "python": args.python,
+                     "no_compiler": args.no_compiler, "parse": run_child("parse", args)}
     with tempfile.TemporaryDirectory(prefix="pdserve-startup-") as root:
         cache = str(Path(root) / "cache")
         results["worker"] = {"no_cache": run_child("worker", args), "empty_cache": run_child("worker", args, cache),
@@ -181,6 +199,8 @@ def main() -> None:
     parser.add_argument("--kv-mib", type=int, default=256, help="KV cache size of the measured worker build")
     parser.add_argument("--serve", action="store_true", help="also time a whole `pdserve serve` start")
     parser.add_argument("--serve-flags", default="", help="more `pdserve serve` flags; pass as --serve-flags='--aggregated'")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter the measured processes run")
+    parser.add_argument("--no-compiler", action="store_true", help="run them with no C++ compiler reachable")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)

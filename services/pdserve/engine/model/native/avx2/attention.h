@@ -1,14 +1,16 @@
 // Paged attention on AVX2 + FMA over the block-major KV tensor (../paged.h), read in place, for
 // any mix of decode tokens and prompt chunks in one call, in float32 or bf16 (widened to float).
 //
-// A work item is one KV head of one segment's tile of up to 16 query tokens: its rows are those
-// tokens' query heads of that KV head. Keys go by in chunks that start at multiples of 32
-// positions and at block starts; each chunk's K and V rows are widened into float buffers once
-// for all the item's rows, then per row: 8 keys' scores at a time (a dot product per key in 8
-// lanes, the 8 summed together by `sum_lanes8`), one online-softmax step (maximum, rescale), and
-// the probabilities times V. A row's arithmetic depends only on its query, its position and the
-// keys it sees, never on the other rows of its item, so decode and prompt tokens take the same
-// path and a prompt comes out the same bits whole, chunked or behind a cached prefix.
+// A work item is one KV head of one segment's tile of query tokens: its rows are those tokens'
+// query heads of that KV head. Keys go by in chunks that start at multiples of 32 positions and
+// at block starts; each chunk's K and V rows are widened into float buffers once for all the
+// item's rows. Decode tokens (tiles of up to 16), per row: 8 keys' scores at a time (a dot
+// product per key in 8 lanes, the 8 summed together by `sum_lanes8`), one online-softmax step
+// (maximum, rescale), and the probabilities times V. Prompt tokens, and chunks of at least 4
+// tokens (tiles of up to 32): small matrix products over the tile's rows (prompt_attention.h).
+// Either way a row's arithmetic depends only on its query, its position and the keys it sees,
+// never on the other rows of its item, and every prompt row takes the second path however few a
+// chunk holds, so a prompt comes out the same bits whole, chunked or behind a cached prefix.
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -18,13 +20,19 @@
 #include <vector>
 
 #include "../paged.h"
+#include "prompt_attention.h"
 #include "vec.h"
 
 namespace pdserve {
 
-constexpr int64_t kQueryTile = 16;  // query tokens of one segment per work item
+constexpr int64_t kQueryTile = 16;  // decode tokens of one segment per work item
+constexpr int64_t kPromptTile = 32;  // prompt tokens of one segment per work item
+constexpr int64_t kMinPromptTile = 4;
 constexpr int64_t kKeyChunk = 32;   // keys per softmax step (fewer where a KV block holds fewer)
 constexpr int kValueRows = 4;       // rows weighing V together: 4 x 16 dimensions in 8 accumulators
+
+// Whether a segment's rows take the matrix-product path (prompt rows, however few).
+inline bool tiled(const Segment& s) { return s.prompt || s.q_len >= kMinPromptTile; }
 
 struct WorkItem {
   int32_t segment, t0, t1, kv_head;  // query tokens [t0, t1) of the segment, one KV head
@@ -38,6 +46,7 @@ struct Avx2Attention {
   // kKeyChunk) scores, then probabilities; m, l: running maximum and sum; corr: a chunk's rescale
   std::vector<float> q, o, k, v, s, m, l, corr;
   std::vector<int64_t> pos;  // per row
+  PromptTile prompt;
 
   explicit Avx2Attention(const AttentionArgs<T>& args)
       : a(args), hd(args.layout.head_dim), group(args.num_heads / args.layout.num_kv_heads),
@@ -50,15 +59,22 @@ struct Avx2Attention {
     const int64_t last = seg.start_pos + item.t1 - 1;
     const int64_t first = a.window ? std::max<int64_t>(0, seg.start_pos + item.t0 - a.window + 1) : 0;
     const int32_t* table = a.tables + item.segment * a.table_width;
+    const bool is_tiled = tiled(seg);
+    if (is_tiled) prompt.start(q.data(), pos.data(), rows, hd, a.scale, a.window, kKeyChunk);
     int64_t key = std::max(first - first % kKeyChunk, first - first % tpb);
     while (key <= last) {
       const int64_t n = std::min({kKeyChunk - key % kKeyChunk, tpb - key % tpb, last + 1 - key});
       stage(table[key / tpb], key % tpb, n, item.kv_head);
-      for (int64_t r = 0; r < rows; ++r) attend_scores(r, key, n);
-      weigh_values(rows, n);
+      if (is_tiled) {
+        prompt.attend(k.data(), v.data(), key, n);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) attend_scores(r, key, n);
+        weigh_values(rows, n);
+      }
       key += n;
     }
-    store(item, seg, rows);
+    if (is_tiled) return store(item, seg, rows, prompt.o.data(), prompt.l.data());
+    store(item, seg, rows, o.data(), l.data());
   }
 
   void load_queries(const WorkItem& item, const Segment& seg, int64_t rows) {
@@ -177,12 +193,13 @@ struct Avx2Attention {
     }
   }
 
-  void store(const WorkItem& item, const Segment& seg, int64_t rows) {
+  // Each row's output sums (rows of `sums`) over its softmax total (`totals`), rounded to T.
+  void store(const WorkItem& item, const Segment& seg, int64_t rows, const float* sums, const float* totals) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = seg.q_start + item.t0 + r / group, head = item.kv_head * group + r % group;
       T* dst = a.out + token * a.num_heads * hd + head * hd;
-      const __m256 inv = _mm256_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
-      for (int64_t d = 0; d < hd; d += 8) store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(&o[r * hd + d]), inv));
+      const __m256 inv = _mm256_set1_ps(totals[r] > 0.0f ? 1.0f / totals[r] : 0.0f);
+      for (int64_t d = 0; d < hd; d += 8) store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(&sums[r * hd + d]), inv));
     }
   }
 };
@@ -192,10 +209,10 @@ template <typename T>
 void paged_attention(const AttentionArgs<T>& a, const std::vector<int32_t>& ids = {}) {
   std::vector<WorkItem> items;
   auto add = [&](int32_t s) {
-    const int32_t len = a.segments[s].q_len;
-    for (int32_t t0 = 0; t0 < len; t0 += int32_t(kQueryTile))
+    const int32_t len = a.segments[s].q_len, tile = int32_t(tiled(a.segments[s]) ? kPromptTile : kQueryTile);
+    for (int32_t t0 = 0; t0 < len; t0 += tile)
       for (int32_t g = 0; g < int32_t(a.layout.num_kv_heads); ++g)
-        items.push_back({s, t0, std::min<int32_t>(len, t0 + int32_t(kQueryTile)), g});
+        items.push_back({s, t0, std::min<int32_t>(len, t0 + tile), g});
   };
   if (ids.empty())
     for (int32_t s = 0; s < a.num_segments; ++s) add(s);

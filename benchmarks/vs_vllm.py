@@ -23,7 +23,7 @@ plateau), so the startup row then also gives the peak after the first round.
 
     python benchmarks/vs_vllm.py --json vs-vllm.json
     python benchmarks/vs_vllm.py --model CKPT_DIR --compare-url http://127.0.0.1:8001 --compare-label vllm
-    python benchmarks/vs_vllm.py --model CKPT_DIR --torch-ops --compare vllm=http://127.0.0.1:8001 \
+    python benchmarks/vs_vllm.py --model CKPT_DIR --torch-ops single --compare vllm=http://127.0.0.1:8001 \
         --compare llama.cpp=http://127.0.0.1:8002
     python benchmarks/vs_vllm.py --scale 0.25      # every prompt count a quarter (a quick look)
 """
@@ -73,13 +73,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compare-label", default="other", help="its name in the results")
     parser.add_argument("--compare", action="append", default=[], metavar="LABEL=URL",
                         help="one more server to run the workloads on (repeatable; model: first of its /v1/models)")
-    parser.add_argument("--torch-ops", action="store_true",
-                        help="also measure `pdserve serve --aggregated --kernels torch` (pdserve-agg-torch)")
+    parser.add_argument("--torch-ops", nargs="*", metavar="WORKLOAD", default=None,
+                        choices=["random", "single", "prefix192", "long"],
+                        help="also measure `pdserve serve --aggregated --kernels torch` (pdserve-agg-torch), on "
+                             "these workloads (none named: all; torch ops take ~10x as long as the rest)")
     args = parser.parse_args(argv)
     for spec in args.compare:
         if "=" not in spec:
             parser.error(f"--compare {spec!r}: give LABEL=URL")
     return args
+
+
+def runs_on(system: str, workload: str, args: argparse.Namespace) -> bool:
+    """Whether `system` runs `workload` (the torch-ops system only the workloads asked for)."""
+    return system not in TORCH_OPS or not args.torch_ops or workload in args.torch_ops
 
 
 def compared(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every system is up before the first workload, and each workload runs on all of them
         # back to back: the load of this shared machine drifts over a run, so a system measured
         # minutes after another would carry the drift into the ratios.
-        topologies = {**TOPOLOGIES, **(TORCH_OPS if args.torch_ops else {})}
+        topologies = {**TOPOLOGIES, **(TORCH_OPS if args.torch_ops is not None else {})}
         servers = [start_topology(name, flags + args.serve_flags.split(), model, out_dir, stack)
                    for name, flags in topologies.items() if not args.only or name in args.only]
         targets = [(s.name, s.url, None) for s in servers] + compared(args)
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             order = targets[r % len(targets):] + targets[:r % len(targets)]  # who goes first rotates
             for workload in workloads(args.scale, args.seed + 10 * r):
                 measured += [{**run_online(name, workload, url, model, served_model, round_dir), "round": r}
-                             for name, url, served_model in order]
+                             for name, url, served_model in order if runs_on(name, workload.name, args)]
             if r == 0 and args.rounds > 1:  # the peak one run of the workloads reaches, as with --rounds 1
                 first_round_peaks = {s.name: s.peak_rss_mib() for s in servers}
         startup = [s.startup_row(first_round_peaks.get(s.name)) for s in servers]

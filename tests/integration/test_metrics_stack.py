@@ -10,6 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.engine.model.native import cpu_levels
 from tests.integration.stack import free_port, make_tiny_checkpoint, start, stop, wait_for_http, wait_for_worker
 
 pytestmark = pytest.mark.integration
@@ -29,7 +30,7 @@ Samples = dict[tuple[str, frozenset], float]
 
 class Stack:
     def __init__(self, directory: Path) -> None:
-        checkpoint = str(make_tiny_checkpoint(directory / "tiny"))
+        checkpoint = str(make_tiny_checkpoint(directory / "tiny", hidden_size=128))  # head_dim 32: native kernels
         self.logs = directory
         self.common = ["--model", checkpoint, "--served-model-name", MODEL, "--device", "cpu", "--dtype", "float32",
                        "--max-model-len", "512", "--max-kv-tokens", "4096", "--block-size", str(BLOCK),
@@ -143,6 +144,8 @@ def test_every_vllm_series_is_exported_under_the_served_model_name_and_each_requ
         assert set(VLLM_SERIES) - labelled == set(), role
         (lora,) = [dict(labels) for (name, labels) in samples if name == "vllm:lora_requests_info"]
         assert set(lora) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+        kernels = {dict(labels)["kernels"]: v for (name, labels), v in samples.items() if name == "pdserve_cpu_kernels_info"}
+        assert kernels == {cpu_levels()[-1] if cpu_levels() else "torch": 1.0}, role
 
     def summed(name: str, **labels: str) -> float:
         return sum(total(samples, name, model_name=MODEL, **labels) for samples in workers.values())

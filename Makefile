@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt setup.py
 	touch $(STAMP)
 
 # A changed kernel source is compiled again (the levels it touches) before serving or testing.
-$(KERNELS): $(STAMP) setup.py $(wildcard $(NATIVE)/*.cpp $(NATIVE)/*.h $(NATIVE)/*/*.h $(NATIVE)/levels.py)
+$(KERNELS): $(STAMP) setup.py $(wildcard $(NATIVE)/*.cpp $(NATIVE)/*.h $(NATIVE)/*/*.h $(NATIVE)/*/*.cpp $(NATIVE)/levels.py)
 	$(PY) setup.py --quiet build_ext --inplace
 	touch $(KERNELS)
 

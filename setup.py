@@ -1,8 +1,9 @@
 """pdserve's build: the package (pyproject.toml) plus its native CPU kernels, compiled here, ahead
 of time, once per ISA level (services/pdserve/engine/model/native/levels.py), so that no machine
 that runs pdserve needs a compiler. Each level is an extension of its own,
-`pdserve.engine.model.native._kernels_<level>`, built from the same `model.cpp` with that level's
-instructions enabled and linked against the pinned torch (so the build needs torch installed:
+`pdserve.engine.model.native._kernels_<level>`, built from the same `model.cpp` (through
+`units/<level>.cpp`, so that each level's object file is its own) with that level's instructions
+enabled and linked against the pinned torch (so the build needs torch installed:
 `pip install --no-build-isolation` where torch is already in the environment).
 
 A build without a C++ compiler, or off x86-64, gives a package without kernels; it then serves on
@@ -31,11 +32,13 @@ def kernel_extensions() -> tuple[list, dict]:
         raise SystemExit(f"PDSERVE_KERNEL_LEVELS: no level {', '.join(sorted(unknown))}")
     headers = sorted(str(p) for p in NATIVE.rglob("*.h"))  # a changed header builds again
     extensions = [
-        CppExtension(f"pdserve.engine.model.native.{table['MODULE_PREFIX']}{level}", [str(NATIVE / "model.cpp")],
-                     depends=headers, extra_compile_args=[*table["COMMON_FLAGS"], *compiler_flags],
+        CppExtension(f"pdserve.engine.model.native.{table['MODULE_PREFIX']}{level}", [str(NATIVE / "units" / f"{level}.cpp")],
+                     depends=[str(NATIVE / "model.cpp"), *headers], extra_compile_args=[*table["COMMON_FLAGS"], *compiler_flags],
                      extra_link_args=["-fopenmp"], optional=True)
         for level, (_, compiler_flags) in table["LEVELS"].items() if level in chosen]
-    return extensions, {"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)}
+    # Without ninja: torch's ninja build writes one build.ninja per build folder, which the levels,
+    # built side by side (build_ext's `parallel`), would overwrite in each other's hands.
+    return extensions, {"build_ext": BuildExtension.with_options(use_ninja=False, no_python_abi_suffix=False)}
 
 
 extensions, commands = kernel_extensions()

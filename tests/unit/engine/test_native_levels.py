@@ -3,6 +3,8 @@ for AMX the OS lending the tile state), forced by `--kernels`, refused with the 
 CPU lacks it, a missing build stepped over, the choice logged once; and the kernels import with
 no compiler anywhere."""
 import logging
+import re
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -103,3 +105,14 @@ def test_the_prebuilt_kernels_load_with_no_compiler_anywhere(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [cpu_levels()[-1]]
+
+
+def test_each_levels_build_is_its_own_module_whatever_the_cpu():
+    """Every level's extension file exports its own module (and no other level's): read from the
+    files, so it holds for levels this CPU cannot load (levels built side by side once shared one
+    object file, and a level's file could carry another level's code)."""
+    folder = Path(native.__file__).parent
+    for level in LEVEL_NAMES:
+        (built,) = folder.glob(f"_kernels_{level}.*.so")
+        exported = set(re.findall(rb"PyInit__kernels_[a-z0-9_]+(?![A-Za-z0-9_])", built.read_bytes()))
+        assert exported == {f"PyInit__kernels_{level}".encode()}, (level, exported)

@@ -2,7 +2,8 @@
 what its build enables. Plain data with no imports: `setup.py` reads it before pdserve is
 installed, and the package picks a level from it at run time (`native/__init__.py`).
 
-Each level is the one source file, `model.cpp`, compiled with that level's instructions enabled;
+Each level is the one source file, `model.cpp`, compiled with that level's instructions enabled
+(as `units/<level>.cpp`, which includes it: a translation unit, and object file, per level);
 `avx2` takes its kernels from `avx2/`, the others from `avx512/` (which compiles its AVX512-BF16
 and AMX paths where the flags enable them).
 """
@@ -20,5 +21,5 @@ LEVELS = {
             ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
              "-mavx512vnni", "-mamx-tile", "-mamx-bf16")),
 }
-COMMON_FLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden")
+COMMON_FLAGS = ("-O3", "-g0", "-fopenmp", "-fvisibility=hidden")  # -g0: no debug info (a tenth of the size)
 MODULE_PREFIX = "_kernels_"  # the extension of level L is pdserve.engine.model.native._kernels_L

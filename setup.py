@@ -30,10 +30,10 @@ def kernel_extensions() -> tuple[list, dict]:
     unknown = set(chosen) - set(table["LEVELS"])
     if unknown:
         raise SystemExit(f"PDSERVE_KERNEL_LEVELS: no level {', '.join(sorted(unknown))}")
-    headers = sorted(str(p) for p in NATIVE.rglob("*.h"))  # a changed header builds again
+    headers = sorted(str(p) for p in NATIVE.rglob("*.h"))  # a changed header (or flag) builds again
     extensions = [
         CppExtension(f"pdserve.engine.model.native.{table['MODULE_PREFIX']}{level}", [str(NATIVE / "units" / f"{level}.cpp")],
-                     depends=[str(NATIVE / "model.cpp"), *headers], extra_compile_args=[*table["COMMON_FLAGS"], *compiler_flags],
+                     depends=[str(NATIVE / "model.cpp"), str(NATIVE / "levels.py"), *headers], extra_compile_args=[*table["COMMON_FLAGS"], *compiler_flags],
                      extra_link_args=["-fopenmp"], optional=True)
         for level, (_, compiler_flags) in table["LEVELS"].items() if level in chosen]
     # Without ninja: torch's ninja build writes one build.ninja per build folder, which the levels,

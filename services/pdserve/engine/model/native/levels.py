@@ -21,5 +21,5 @@ LEVELS = {
             ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
              "-mavx512vnni", "-mamx-tile", "-mamx-bf16")),
 }
-COMMON_FLAGS = ("-O3", "-g0", "-fopenmp", "-fvisibility=hidden")  # -g0: no debug info (a tenth of the size)
+COMMON_FLAGS = ("-O3", "-g0", "-fopenmp", "-fvisibility=hidden")  # -g0: no debug info (0.5-1 MB a level, not 15-20)
 MODULE_PREFIX = "_kernels_"  # the extension of level L is pdserve.engine.model.native._kernels_L

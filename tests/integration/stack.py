@@ -18,8 +18,9 @@ START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 15.0
 
 
-def make_tiny_checkpoint(directory: Path, max_model_len: int = 512) -> Path:
-    """A 2-layer random-weight Llama with SmolLM2's tokenizer (so prompts are real text)."""
+def make_tiny_checkpoint(directory: Path, max_model_len: int = 512, hidden_size: int = 64) -> Path:
+    """A 2-layer random-weight Llama with SmolLM2's tokenizer (so prompts are real text); 4 heads,
+    so `hidden_size` 128 gives the head_dim 32 that the native CPU kernels need at the least."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -28,7 +29,7 @@ def make_tiny_checkpoint(directory: Path, max_model_len: int = 512) -> Path:
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_model_len,
                          tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)

@@ -144,17 +144,19 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def measure_policy(policy: str, workers: list[Started], roles: dict[str, str], args: argparse.Namespace,
-                   model: str, log_dir: Path) -> dict:
-    policy_dir = log_dir / policy
-    policy_dir.mkdir(exist_ok=True)
-    with ServingStack(policy_dir) as stack:
-        router = stack.start_router(workers, ["--model", model, "--routing-policy", policy,
-                                              "--worker-poll-interval", "0.2", "--log-level", "warning"])
+def measure_policy(policy: str, stack: ServingStack, workers: list[Started], roles: dict[str, str],
+                   args: argparse.Namespace, model: str) -> dict:
+    """One router of `policy` on `workers`, started in their stack (their authority signs its
+    certificate) and stopped after the workload, so the next policy's router meets the same workers."""
+    router = stack.start_router(workers, ["--model", model, "--routing-policy", policy, "--worker-poll-interval",
+                                          "0.2", "--log-level", "warning"], name=f"router-{policy}")
+    try:
         before = router_metrics(router.address)
         turns, wall_s = asyncio.run(run_workload(router.address, conversations(args), f"bench-{policy}", args))
         time.sleep(1.0)  # a few polls: the workers' counters reach the router
         after = router_metrics(router.address)
+    finally:
+        stack.stop(router)
     done = [t for t in turns if t["ok"]]
     ttfts = [t["ttft_s"] * 1000 for t in done]
     prompt_tokens = sum(t["prompt_tokens"] for t in done)
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or (tiny_checkpoint(scratch / "tiny", 2 * longest) if args.tiny else default_model_path())
         with ServingStack(scratch) as stack:
             workers, roles = start_workers(stack, args, model)
-            results = [measure_policy(p, workers, roles, args, model, scratch) for p in POLICIES]
+            results = [measure_policy(p, stack, workers, roles, args, model) for p in POLICIES]
     by_policy = {r["policy"]: r for r in results}
     kv, rr = by_policy["kv_aware"], by_policy["round_robin"]
     ratios = {f"kv_aware_over_round_robin_{k}": kv[k] / rr[k] for k in

@@ -89,7 +89,7 @@ def measure_pdserve(args: argparse.Namespace, model: str, out_dir: Path) -> list
         if not args.skip_offline:
             offline = Workload("offline", args.num_prompts, args.input_len, args.output_len,
                                num_warmups=args.num_warmups, seed=args.seed + 2)
-            rows.append(run_offline("pdserve", offline, worker.address, load_tokenizer(model)))
+            rows.append(run_offline("pdserve", offline, worker.address, load_tokenizer(model), stack.client_tls()))
         rows += [run_online("pdserve", w, router.address, model, None, out_dir) for w in online]
         rows.insert(0, {"system": "pdserve", "workload": "startup", "worker_ready_s": worker.ready_s,
                         "router_ready_s": router.ready_s, "worker_peak_rss_mib_ready": hwm_at_ready,

@@ -17,6 +17,7 @@ from pdserve.bench.datasets import DatasetSpec, build_dataset
 from pdserve.bench.options import parse_config
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
+from pdserve.common.tls import TlsConfig
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.rpc.worker_client import GrpcBackend
 
@@ -89,9 +90,10 @@ def offline_prompts(workload: Workload, tokenizer: Tokenizer) -> list[tuple[int,
     return [tuple(tokenizer.encode(c.turns[0].text, add_special_tokens=False)) for c in conversations]
 
 
-async def _generate_all(address: str, prompts: list[tuple[int, ...]], output_len: int, tag: str) -> int:
+async def _generate_all(address: str, prompts: list[tuple[int, ...]], output_len: int, tag: str,
+                        tls: TlsConfig | None) -> int:
     """Send every prompt at once; the number of output tokens received."""
-    backend = GrpcBackend(address, generate_timeout_s=OFFLINE_TIMEOUT_S)
+    backend = GrpcBackend(address, generate_timeout_s=OFFLINE_TIMEOUT_S, tls=tls)
     sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
 
     async def one(i: int, prompt: tuple[int, ...]) -> int:
@@ -104,14 +106,15 @@ async def _generate_all(address: str, prompts: list[tuple[int, ...]], output_len
         await backend.close()
 
 
-def run_offline(system: str, workload: Workload, address: str, tokenizer: Tokenizer) -> dict:
-    """Offline throughput of the worker at `address`: all prompts at once over gRPC."""
+def run_offline(system: str, workload: Workload, address: str, tokenizer: Tokenizer, tls: TlsConfig | None) -> dict:
+    """Offline throughput of the worker at `address`: all prompts at once over gRPC (mutual TLS
+    with `tls`, the credentials of the worker's own authority; plain text with None)."""
     prompts = offline_prompts(workload, tokenizer)
     warmup = [tuple(reversed(p)) for p in prompts[: workload.num_warmups]]  # nothing the run could reuse
     if warmup:
-        asyncio.run(_generate_all(address, warmup, workload.output_len, "warmup"))
+        asyncio.run(_generate_all(address, warmup, workload.output_len, "warmup", tls))
     started = time.perf_counter()
-    num_output = asyncio.run(_generate_all(address, prompts, workload.output_len, "offline"))
+    num_output = asyncio.run(_generate_all(address, prompts, workload.output_len, "offline", tls))
     duration = time.perf_counter() - started
     num_input = sum(len(p) for p in prompts)
     return {"system": system, "workload": workload.name, "completed": len(prompts), "failed": 0,

@@ -2,7 +2,8 @@
 
 `ServingStack` starts each process as `python -m pdserve.cli <kind> <flags>`, waits (bounded)
 until it serves, records its start-to-ready time, reads its peak RSS (VmHWM from /proc) and
-stops every process it started when the `with` block ends (router first, SIGINT, then kill).
+stops every process it started when the `with` block ends (router first, SIGINT, then kill);
+`stop` ends one before that, so routers can take turns on the same workers.
 The internal plane is mutual TLS, as users run it: the stack makes an authority and gives each
 process a certificate of its name (a worker's name is its worker id); `insecure=True` runs it
 in plain text instead (`--insecure-internal`), for measuring what TLS costs.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import IO, Self
 
 from pdserve.common import pki
+from pdserve.common.tls import TlsConfig
 
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 20.0
@@ -91,37 +93,53 @@ def _is_router_serving(url: str) -> bool:
 
 
 class ServingStack:
-    """Processes started for one measurement; a context manager that stops them all."""
+    """Processes started for one measurement; a context manager that stops them all.
+
+    Every process of a stack holds a certificate of the stack's one authority, so a router and
+    the workers it calls must be started by the same stack (a router of another stack fails
+    their TLS handshakes)."""
 
     def __init__(self, log_dir: Path, insecure: bool = False) -> None:
         self.log_dir = log_dir
-        self._processes: list[subprocess.Popen] = []
-        self._logs: list[IO[bytes]] = []
+        self._running: dict[int, tuple[subprocess.Popen, IO[bytes]]] = {}  # by pid, in start order
         self._authority = None if insecure else pki.Authority.create("pdserve benchmark")
-        self._probe_tls = self._tls_flags("probe")[1] if self._authority else None
+        self._probe_tls = self._tls_flags("probe", "probe")[1] if self._authority else None
 
-    def _tls_flags(self, identity: str) -> list[str]:
+    def _tls_flags(self, identity: str, folder_name: str) -> list[str]:
         """`--tls-dir` with a fresh certificate of `identity`, or `--insecure-internal`."""
         if self._authority is None:
             return ["--insecure-internal"]
-        folder = self._authority.issue(identity, ("127.0.0.1",)).write(self.log_dir / "tls" / identity)
+        folder = self._authority.issue(identity, ("127.0.0.1",)).write(self.log_dir / "tls" / folder_name)
         return ["--tls-dir", str(folder)]
+
+    def client_tls(self) -> TlsConfig | None:
+        """Credentials of this stack's authority for a client of its workers (the benchmark's own
+        gRPC load); None when the stack runs in plain text."""
+        return None if self._probe_tls is None else TlsConfig.from_dir(self._probe_tls)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for process in reversed(self._processes):  # the router first, then its workers
-            stop_process(process)
-        for log in self._logs:
-            log.close()
+        for pid in reversed(list(self._running)):  # the router first, then its workers
+            self._stop_pid(pid)
+
+    def stop(self, started: Started) -> None:
+        """Stop one process of this stack now (SIGINT, then kill); the others keep running."""
+        if started.pid not in self._running:
+            raise ValueError(f"{started.name} (pid {started.pid}) is not running in this stack")
+        self._stop_pid(started.pid)
+
+    def _stop_pid(self, pid: int) -> None:
+        process, log = self._running.pop(pid)
+        stop_process(process)
+        log.close()
 
     def _start(self, name: str, kind: str, flags: list[str], address: str, is_ready) -> Started:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the process writes it until __exit__
-        self._logs.append(log)
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the process writes it until stopped
         started_at = time.perf_counter()
         process = subprocess.Popen([*COMMAND, kind, *flags], stdout=log, stderr=subprocess.STDOUT)
-        self._processes.append(process)
+        self._running[process.pid] = (process, log)
         deadline = started_at + READY_TIMEOUT_S
         while not is_ready():
             if process.poll() is not None:
@@ -135,16 +153,19 @@ class ServingStack:
         """A `pdserve worker` on a free loopback port; `flags` must not set --host/--port."""
         address = f"127.0.0.1:{free_port()}"
         host, port = address.split(":")
-        return self._start(name, "worker", ["--host", host, "--port", port, *self._tls_flags(name), *flags], address,
+        tls = self._tls_flags(name, name)
+        return self._start(name, "worker", ["--host", host, "--port", port, *tls, *flags], address,
                            lambda: _is_worker_serving(address, self._probe_tls))
 
-    def start_router(self, workers: list[Started], flags: list[str]) -> Started:
-        """A `pdserve router` calling `workers` (one `--worker` each), ready when /v1/models answers."""
+    def start_router(self, workers: list[Started], flags: list[str], name: str = "router") -> Started:
+        """A `pdserve router` calling `workers` (one `--worker` each), ready when /v1/models answers;
+        `name` names its log (its certificate's identity is "router", whatever the name)."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         worker_flags = [arg for w in workers for arg in ("--worker", w.address)]
-        return self._start("router", "router", ["--port", str(port), *worker_flags, *self._tls_flags("router"), *flags],
-                           url, lambda: _is_router_serving(url))
+        tls = self._tls_flags("router", name)
+        return self._start(name, "router", ["--port", str(port), *worker_flags, *tls, *flags], url,
+                           lambda: _is_router_serving(url))
 
 
 def _tail(path: str, num_chars: int = 3000) -> str:

@@ -31,6 +31,7 @@ import httpx
 from serving_stack import descendants, free_port, stop_process, work_dir
 
 from pdserve.common.errors import PdserveError
+from pdserve.common.tls import TlsConfig
 from pdserve.rpc.worker_client import GrpcBackend
 
 READY_TIMEOUT_S = 300.0
@@ -46,6 +47,14 @@ class Load:
     num_dropped: int = 0  # the client went away midway, on purpose
     num_errors: int = 0  # an error frame or status: expected around the kill
     error_times: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Workers:
+    """serve's workers by role, and the credentials a client of theirs presents (None: plain text)."""
+
+    addresses: dict[str, str]
+    tls: TlsConfig | None
 
 
 def parse_args() -> argparse.Namespace:
@@ -122,6 +131,17 @@ def worker_pid(serve: subprocess.Popen, role: str) -> int | None:
     return next((pid for pid in descendants(serve.pid) if process_role(pid) == f"{role} worker"), None)
 
 
+def router_tls(serve: subprocess.Popen) -> TlsConfig | None:
+    """The router's credentials, from the `--tls-dir` on its command line: serve's authority keeps
+    no key to issue the soak its own, and the workers answer any certificate of it. None in plain text."""
+    router = next((pid for pid in descendants(serve.pid) if process_role(pid) == "router"), None)
+    if router is None:
+        raise SystemExit("serve runs no router")
+    words = Path(f"/proc/{router}/cmdline").read_bytes().decode().split("\0")
+    folder = words[words.index("--tls-dir") + 1] if "--tls-dir" in words else ""
+    return TlsConfig.from_dir(folder) if folder else None
+
+
 # ---- load ------------------------------------------------------------------------------------
 
 def prompt(rng: random.Random) -> str:
@@ -164,8 +184,8 @@ async def one_stream(http: httpx.AsyncClient, url: str, body: dict, drop_after: 
 
 # ---- sampling --------------------------------------------------------------------------------
 
-async def kv_figures(address: str) -> dict[str, object]:
-    backend = GrpcBackend(address, rpc_timeout_s=5.0)
+async def kv_figures(address: str, tls: TlsConfig | None) -> dict[str, object]:
+    backend = GrpcBackend(address, rpc_timeout_s=5.0, tls=tls)
     try:
         report = await backend.check_integrity()
     except PdserveError as exc:  # the killed worker, until it is back
@@ -176,17 +196,17 @@ async def kv_figures(address: str) -> dict[str, object]:
             "held_for_peer": report.num_held_for_peer}
 
 
-async def sample(serve: subprocess.Popen, workers: dict[str, str], started: float, phase: str) -> dict:
+async def sample(serve: subprocess.Popen, workers: Workers, started: float, phase: str) -> dict:
     processes = {}
     for pid in [serve.pid, *descendants(serve.pid)]:
         role, rss = process_role(pid), rss_mib(pid)
         if role is not None and rss is not None:
             processes[role] = {"pid": pid, "rss_mib": round(rss, 1)}
-    kv = {role: await kv_figures(address) for role, address in workers.items()}
+    kv = {role: await kv_figures(address, workers.tls) for role, address in workers.addresses.items()}
     return {"t_s": round(time.monotonic() - started, 2), "phase": phase, "kv": kv, "processes": processes}
 
 
-async def sampler(serve: subprocess.Popen, workers: dict[str, str], started: float, interval_s: float,
+async def sampler(serve: subprocess.Popen, workers: Workers, started: float, interval_s: float,
                   stop: asyncio.Event, samples: list[dict]) -> None:
     while not stop.is_set():
         samples.append(await sample(serve, workers, started, "load"))
@@ -210,7 +230,7 @@ async def wait_answering(url: str, since: float, limit_s: float = 120.0) -> floa
     return None
 
 
-async def settle(serve: subprocess.Popen, workers: dict[str, str], started: float) -> dict:
+async def settle(serve: subprocess.Popen, workers: Workers, started: float) -> dict:
     """The idle figures once every worker holds no block for a request (or after SETTLE_TIMEOUT_S)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
@@ -221,7 +241,7 @@ async def settle(serve: subprocess.Popen, workers: dict[str, str], started: floa
         await asyncio.sleep(1.0)
 
 
-async def soak(args: argparse.Namespace, serve: subprocess.Popen, url: str, workers: dict[str, str]) -> dict:
+async def soak(args: argparse.Namespace, serve: subprocess.Popen, url: str, workers: Workers) -> dict:
     started = time.monotonic()
     baseline = await sample(serve, workers, started, "idle-before")
     stop, load, samples = asyncio.Event(), Load(), [baseline]
@@ -316,10 +336,10 @@ def plot(run: dict, path: str) -> None:
 def main() -> None:
     args = parse_args()
     with work_dir(args.keep_dir, "pdserve-soak-") as directory:
-        serve, url, workers = start_serve(args, directory)
-        metrics_url = workers.pop("metrics")
+        serve, url, addresses = start_serve(args, directory)
+        metrics_url = addresses.pop("metrics")
         try:
-            run = asyncio.run(soak(args, serve, url, workers))
+            run = asyncio.run(soak(args, serve, url, Workers(addresses, router_tls(serve))))
             restarts = {"log": re.findall(r"pdserve serve: .*", (directory / "serve.err").read_text()),
                         "pdserve_worker_restarts_total": restart_counts(metrics_url)}
         finally:

@@ -66,11 +66,11 @@ def measure(args: argparse.Namespace) -> list[dict]:
             chosen = replace(params, temperature=temperature, top_p=1.0 if temperature == 0.0 else 0.95)
             plain = replace(SamplingParams(max_tokens=chosen.max_tokens), temperature=chosen.temperature,
                             top_p=chosen.top_p)
-            every_row = [SamplingRow(chosen, None, h) for h in histories]
+            every_row = [SamplingRow(chosen, history=h) for h in histories]
             rows.append({"case": name, "mode": mode, "rows_with_it": args.batch,
                          "ms_per_step": step_ms(sampler, logits, every_row, args.repeats)})
             if name == "all":
-                some = [SamplingRow(chosen if i % 8 == 0 else plain, None, h) for i, h in enumerate(histories)]
+                some = [SamplingRow(chosen if i % 8 == 0 else plain, history=h) for i, h in enumerate(histories)]
                 rows.append({"case": "all", "mode": mode, "rows_with_it": len(range(0, args.batch, 8)),
                              "ms_per_step": step_ms(sampler, logits, some, args.repeats)})
     return rows

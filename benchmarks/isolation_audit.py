@@ -10,6 +10,7 @@ significant (the cache works and the audit can see it); across tenants it must n
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.isolation import report, run_audit
+from pdserve.bench.isolation import Sample, report, run_audit
 from pdserve.common.model_source import default_model_path
 
 from serving_stack import COMMAND, READY_TIMEOUT_S, free_port, stop_process, work_dir
@@ -53,6 +54,13 @@ def _ready(url: str) -> bool:
         return False
 
 
+def kind_row(samples: list[Sample], kind: str) -> dict:
+    """One kind's TTFT median and how many of its requests were served cached tokens."""
+    mine = [s for s in samples if s.kind == kind]
+    return {"kind": kind, "samples": len(mine), "ttft_p50_ms": statistics.median(s.ttft_s for s in mine) * 1e3,
+            "num_with_cached_tokens": sum(1 for s in mine if s.cached_tokens > 0)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = args.model or default_model_path()
@@ -80,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
                 stop_process(process)
     audited = report(samples)
     config = {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model}
-    medians = {kind: sorted(s.ttft_s for s in samples if s.kind == kind)[len(samples) // 6] * 1e3
-               for kind in ("hit", "cross", "miss")}
-    result = {"benchmark": "isolation_audit", "config": config, "ttft_p50_ms": medians, **audited}
+    rows = [kind_row(samples, kind) for kind in ("hit", "cross", "miss")]
+    medians = {row["kind"]: row["ttft_p50_ms"] for row in rows}
+    ratios = {f"ttft_p50_ms: {kind} / miss": medians[kind] / medians["miss"] for kind in ("hit", "cross")}
+    result = {"benchmark": "isolation_audit", "config": config, "results": rows, "ratios": ratios,
+              "ttft_p50_ms": medians, **audited}
     print(json.dumps({"ttft_p50_ms": medians, "verdicts": audited["verdicts"]}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -4,7 +4,8 @@ A random-weight Llama (default shape: the common 160M Llama, hidden 768, 12 laye
 12 heads, intermediate 3072, vocab 32000) runs in bf16. Prefill computes every prompt in
 steps of at most `--prefill-budget` tokens; decode then runs `--decode-steps` steps with one
 new token for each of `--seqs` sequences per step, as a continuous batch would. Prints one
-JSON object (and writes it to `--json PATH` when given, as `run_all.py` asks).
+JSON object in the set's shape (`README.md`; its one row holds the figures), and writes it to
+`--json PATH` when given, as `run_all.py` asks.
 
     .venv/bin/python benchmarks/model_forward.py --seqs 64 --prompt-len 128 --decode-steps 128
 
@@ -122,7 +123,15 @@ def main() -> None:
     prefill_s = prefill(runner, prompts, tables, args.prefill_budget)
     step_s, step_cpu_s = decode(runner, args.prompt_len, tables, args.decode_steps)
     steady, steady_cpu = sorted(step_s[1:] or step_s), sorted(step_cpu_s[1:] or step_cpu_s)
+    figures = {
+        "prefill_tokens_per_s": round(args.seqs * args.prompt_len / prefill_s, 1),
+        "decode_tokens_per_s": round(args.seqs * args.decode_steps / sum(step_s), 1),
+        "decode_step_ms_p50": round(1e3 * steady[len(steady) // 2], 2),
+        "decode_step_ms_p90": round(1e3 * steady[int(len(steady) * 0.9)], 2),
+        "decode_step_cpu_ms_p50": round(1e3 * steady_cpu[len(steady_cpu) // 2], 2),
+    }
     result = {
+        "benchmark": "model_forward",
         "config": {
             "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
             "params_m": round(num_parameters(runner.config) / 1e6, 1),
@@ -131,11 +140,10 @@ def main() -> None:
             "seqs": args.seqs, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
             "tokens_per_block": args.tokens_per_block, "prefill_budget": args.prefill_budget, "c_heap": heap,
         },
-        "prefill_tokens_per_s": round(args.seqs * args.prompt_len / prefill_s, 1),
-        "decode_tokens_per_s": round(args.seqs * args.decode_steps / sum(step_s), 1),
-        "decode_step_ms_p50": round(1e3 * steady[len(steady) // 2], 2),
-        "decode_step_ms_p90": round(1e3 * steady[int(len(steady) * 0.9)], 2),
-        "decode_step_cpu_ms_p50": round(1e3 * steady_cpu[len(steady_cpu) // 2], 2),
+        "results": [figures],
+        # the share of the wall time this process computed (threads add up): below 1 per thread,
+        # the machine's other load took the rest
+        "ratios": {"decode step p50: CPU / wall": steady_cpu[len(steady_cpu) // 2] / steady[len(steady) // 2]},
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -1,8 +1,9 @@
-"""Startup time and peak memory on the default GGUF model (SmolLM2-135M Q4_1).
+"""Startup time and peak memory on the default GGUF model (SmolLM2-135M Q4_1), or `--model`.
 
 Every figure comes from a fresh Python process, so imports and first-touch page faults
 count as they do for a real start:
-- metadata parse: `gguf.GGUFReader` against pdserve's own `read_gguf`;
+- metadata parse: `gguf.GGUFReader` against pdserve's own `read_gguf` (of the model's GGUF file,
+  the bundled one when `--model` is a checkpoint directory);
 - worker: `build_llm_engine` (weights, KV cache, tokenizer) without a conversion cache,
   filling an empty cache, and reading a filled one;
 - router: `load_tokenizer` without and with the cache (and whether torch got imported);
@@ -12,7 +13,8 @@ count as they do for a real start:
 `--python` runs every child with another environment's interpreter (pdserve installed there from
 a wheel, say), and `--no-compiler` with no C++ compiler reachable (CC and CXX /bin/false, PATH
 only that interpreter's folder): what a machine or image without build tools does.
-A benchmark, not a test: nothing here is asserted.
+The JSON has the set's shape (`README.md`): one row per part and case, and as ratios each part's
+time with a filled cache over its time without one. A benchmark, not a test: nothing here is asserted.
 
     python benchmarks/startup.py --json startup.json [--serve [--serve-flags='--aggregated --kv-cache-memory 256MiB']]
     python benchmarks/startup.py --serve --python /tmp/wheel-venv/bin/python --no-compiler --json startup.json
@@ -32,6 +34,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.common.model_source import default_model_path
+
 from serving_stack import descendants, stop_process
 
 CHILD_TIMEOUT_S = 300
@@ -42,12 +46,11 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure_parse(_: argparse.Namespace) -> dict:
+def measure_parse(args: argparse.Namespace) -> dict:
     import gguf
 
     from pdserve.models.gguf_file import read_gguf
-    from pdserve.common.model_source import default_model_path
-    path = default_model_path()
+    path = args.model if args.model.endswith(".gguf") else default_model_path()
     start = time.perf_counter()
     ours = read_gguf(path)
     ours_s = time.perf_counter() - start
@@ -60,12 +63,11 @@ def measure_parse(_: argparse.Namespace) -> dict:
 
 def measure_worker(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
-    from pdserve.common.model_source import default_model_path
     from pdserve.engine.core.scheduler import SchedulerConfig
     from pdserve.kvcache import KvCacheConfig
     from pdserve.worker.bootstrap import EngineSpec, build_llm_engine
     imported = time.perf_counter()
-    spec = EngineSpec(model=default_model_path(), served_model_name="smollm2", dtype=args.dtype, device="cpu",
+    spec = EngineSpec(model=args.model, served_model_name="smollm2", dtype=args.dtype, device="cpu",
                       kv=KvCacheConfig(max_total_bytes=args.kv_mib << 20),
                       scheduler=SchedulerConfig(64, 2048, 2048), cache_dir=args.cache_dir or None)
     build_llm_engine(spec)
@@ -78,7 +80,7 @@ def measure_tokenizer(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     from pdserve.models.tokenizer import load_tokenizer
     imported = time.perf_counter()
-    tokenizer = load_tokenizer(None, args.cache_dir or None)
+    tokenizer = load_tokenizer(args.model, args.cache_dir or None)
     done = time.perf_counter()
     return {"import_s": imported - start, "load_s": done - imported, "total_s": done - start,
             "peak_rss_mib": peak_rss_mib(), "imports_torch": "torch" in sys.modules,
@@ -97,8 +99,8 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run_child(kind: str, args: argparse.Namespace, cache_dir: str = "") -> dict:
-    command = [args.python, __file__, "--child", kind, "--dtype", args.dtype, "--kv-mib", str(args.kv_mib),
-               "--cache-dir", cache_dir]
+    command = [args.python, __file__, "--child", kind, "--model", args.model, "--dtype", args.dtype,
+               "--kv-mib", str(args.kv_mib), "--cache-dir", cache_dir]
     done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=True,
                           env=child_env(args))
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -123,7 +125,7 @@ def vm_hwm_mib(pid: int) -> float:
 def measure_serve(args: argparse.Namespace, cache_dir: str) -> dict:
     """`pdserve serve` until its banner, one completion, peak RSS, its workers' kernels; then stop it."""
     port, worker_port = free_port(), free_port()
-    command = [args.python, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port",
+    command = [args.python, "-m", "pdserve.cli", "serve", "--model", args.model, "--port", str(port), "--worker-port",
                str(worker_port), "--dtype", args.dtype, "--cache-dir", cache_dir, *shlex.split(args.serve_flags)]
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
@@ -156,8 +158,7 @@ def _wait_for_banner(serve: subprocess.Popen, start: float) -> float | None:
 
 
 def _one_completion(port: int) -> float:
-    body = json.dumps({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "The capital of France is",
-                       "max_tokens": 8}).encode()
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 8}).encode()  # the served model
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
     start = time.perf_counter()
@@ -166,35 +167,48 @@ def _one_completion(port: int) -> float:
     return time.perf_counter() - start
 
 
-def run_all(args: argparse.Namespace) -> dict:
-    results: dict = {"machine": platform.platform(), "cpus": os.cpu_count(), "dtype": args.dtype,
-                     "kv_mib": args.kv_mib, "serve_flags": args.serve_flags, "python": args.python,
-                     "no_compiler": args.no_compiler, "parse": run_child("parse", args)}
+def run_all(args: argparse.Namespace) -> list[dict]:
+    """One row per part and case, each measured in a fresh process."""
+    rows = [{"part": "metadata_parse", "case": "gguf", **run_child("parse", args)}]
     with tempfile.TemporaryDirectory(prefix="pdserve-startup-") as root:
         cache = str(Path(root) / "cache")
-        results["worker"] = {"no_cache": run_child("worker", args), "empty_cache": run_child("worker", args, cache),
-                             "filled_cache": run_child("worker", args, cache)}
-        results["router_tokenizer"] = {"no_cache": run_child("tokenizer", args),
-                                       "filled_cache": run_child("tokenizer", args, cache)}
-        results["cache_bytes"] = sum(p.stat().st_size for p in Path(cache).iterdir())
+        rows += [{"part": "worker", "case": "no_cache", **run_child("worker", args)},
+                 {"part": "worker", "case": "empty_cache", **run_child("worker", args, cache)},
+                 {"part": "worker", "case": "filled_cache", **run_child("worker", args, cache)},
+                 {"part": "router_tokenizer", "case": "no_cache", **run_child("tokenizer", args)},
+                 {"part": "router_tokenizer", "case": "filled_cache", **run_child("tokenizer", args, cache)}]
+        written = Path(cache).iterdir() if Path(cache).is_dir() else ()  # none for a checkpoint directory
+        rows[-1]["cache_bytes"] = sum(p.stat().st_size for p in written)
         if args.serve:
             serve_cache = str(Path(root) / "serve-cache")
-            results["serve"] = {"empty_cache": measure_serve(args, serve_cache),
-                                "filled_cache": measure_serve(args, serve_cache)}
-    return results
+            rows += [{"part": "serve", "case": "empty_cache", **measure_serve(args, serve_cache)},
+                     {"part": "serve", "case": "filled_cache", **measure_serve(args, serve_cache)}]
+    return rows
 
 
-def print_table(results: dict) -> None:
-    parse = results["parse"]
-    print(f"metadata parse: GGUFReader {parse['gguf_reader_s']:.2f} s, read_gguf {parse['read_gguf_s']:.3f} s")
-    for group in ("worker", "router_tokenizer", "serve"):
-        for case, row in results.get(group, {}).items():
-            figures = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-            print(f"{group:17s} {case:13s} {figures}")
+def ratios(rows: list[dict]) -> dict[str, float | None]:
+    """Each part's time with a filled cache over its time without one (or with an empty one)."""
+    by = {(row["part"], row["case"]): row for row in rows}
+    found: dict[str, float | None] = {}
+    for part, metric, base in (("worker", "total_s", "no_cache"), ("router_tokenizer", "total_s", "no_cache"),
+                               ("serve", "ready_s", "empty_cache")):
+        filled, before = by.get((part, "filled_cache")), by.get((part, base))
+        if filled and before:
+            found[f"{part} {metric}: filled_cache / {base}"] = (
+                filled[metric] / before[metric] if filled[metric] and before[metric] else None)
+    return found
+
+
+def print_table(rows: list[dict]) -> None:
+    for row in rows:
+        figures = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in row.items() if k not in ("part", "case"))
+        print(f"{row['part']:17s} {row['case']:13s} {figures}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M GGUF)")
     parser.add_argument("--dtype", default="bfloat16", help="serving dtype of the worker")
     parser.add_argument("--kv-mib", type=int, default=256, help="KV cache size of the measured worker build")
     parser.add_argument("--serve", action="store_true", help="also time a whole `pdserve serve` start")
@@ -205,13 +219,17 @@ def main() -> None:
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.model = args.model or default_model_path()
     if args.child:
         print(json.dumps(CHILDREN[args.child](args)))
         return
-    results = run_all(args)
-    print_table(results)
+    rows = run_all(args)
+    print_table(rows)
+    config = {"machine": platform.platform(), "cpus": os.cpu_count(),
+              **{k: v for k, v in vars(args).items() if k not in ("json", "child", "cache_dir")}}
+    result = {"benchmark": "startup", "config": config, "results": rows, "ratios": ratios(rows)}
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

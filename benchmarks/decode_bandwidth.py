@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--skip-serve", action="store_true", help="only the model forward, no served TPOT")
+    parser.add_argument("--serve-prompts", type=int, default=8, help="prompts of the served run, one at a time")
+    parser.add_argument("--serve-output-len", type=int, default=64, help="tokens each served prompt decodes")
     return parser.parse_args(argv)
 
 
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"system": f"forward-{kernels}", "step_ms": step_ms, "fraction_of_limit": limit_ms / step_ms})
         del runner
     if not args.skip_serve:
-        single = Workload("single", 8, args.context, 64, max_concurrency=1, seed=1)
+        single = Workload("single", args.serve_prompts, args.context, args.serve_output_len, max_concurrency=1, seed=1)
         with tempfile.TemporaryDirectory(prefix="decode-bw-") as scratch:
             _, served = measure_topology("pdserve-agg", ["--aggregated"], model, [single], Path(scratch))
         tpot = served["tpot_p50_ms"]

@@ -11,6 +11,7 @@ prefill order, measured side by side in one run.
 
     python benchmarks/internal_tls.py --json internal-tls.json
     python benchmarks/internal_tls.py --scale 0.25 --rounds 1    # a quick look
+    python benchmarks/internal_tls.py --scale 0.03 --single-pass --calls 20    # does it still run?
 """
 import argparse
 import asyncio
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="GGUF file or HF checkpoint dir (default: bundled SmolLM2-135M GGUF)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's prompt count")
     parser.add_argument("--rounds", type=int, default=1, help="A-B-B-A rounds of the two configurations")
+    parser.add_argument("--single-pass", action="store_true",
+                        help="each configuration once (A-B, half the starts): a smoke run, not for figures")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--calls", type=int, default=2000, help="warm gRPC calls per configuration")
     return parser.parse_args(argv)
@@ -62,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def served(args: argparse.Namespace, model: str, out_dir: Path) -> list[dict]:
     """Each configuration's rows, workloads averaged over its runs."""
-    order = [name for _ in range(args.rounds) for name in ("tls", "plain", "plain", "tls")]
+    passes = ("tls", "plain") if args.single_pass else ("tls", "plain", "plain", "tls")
+    order = [name for _ in range(args.rounds) for name in passes]
     runs: dict[tuple[str, str], list[dict]] = {}
     for i, name in enumerate(order):
         rows = measure_topology(name, CONFIGS[name], model, workloads(args.scale, args.seed + 10 * i), out_dir)

@@ -2,8 +2,7 @@
 
 Every figure comes from a fresh Python process, so imports and first-touch page faults
 count as they do for a real start:
-- metadata parse: `gguf.GGUFReader` against pdserve's own `read_gguf` (of the model's GGUF file,
-  the bundled one when `--model` is a checkpoint directory);
+- metadata parse (a GGUF model): `gguf.GGUFReader` against pdserve's own `read_gguf`;
 - worker: `build_llm_engine` (weights, KV cache, tokenizer) without a conversion cache,
   filling an empty cache, and reading a filled one;
 - router: `load_tokenizer` without and with the cache (and whether torch got imported);
@@ -50,7 +49,7 @@ def measure_parse(args: argparse.Namespace) -> dict:
     import gguf
 
     from pdserve.models.gguf_file import read_gguf
-    path = args.model if args.model.endswith(".gguf") else default_model_path()
+    path = args.model
     start = time.perf_counter()
     ours = read_gguf(path)
     ours_s = time.perf_counter() - start
@@ -169,7 +168,8 @@ def _one_completion(port: int) -> float:
 
 def run_all(args: argparse.Namespace) -> list[dict]:
     """One row per part and case, each measured in a fresh process."""
-    rows = [{"part": "metadata_parse", "case": "gguf", **run_child("parse", args)}]
+    is_gguf = Path(args.model).suffix == ".gguf"  # a checkpoint directory has no metadata to parse
+    rows = [{"part": "metadata_parse", "case": "gguf", **run_child("parse", args)}] if is_gguf else []
     with tempfile.TemporaryDirectory(prefix="pdserve-startup-") as root:
         cache = str(Path(root) / "cache")
         rows += [{"part": "worker", "case": "no_cache", **run_child("worker", args)},

@@ -1,6 +1,8 @@
 """load_gguf with a cache_dir: one entry per GGUF file and dtype, reused, rebuilt when damaged."""
 import logging
 import os
+import threading
+import time
 
 import gguf
 import pytest
@@ -40,7 +42,8 @@ def assert_same(left, right) -> None:
 def test_first_load_writes_one_entry_that_the_next_load_reads(model, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     converted = load_gguf(model, torch.bfloat16, str(cache))
-    assert [p.name for p in cache.iterdir()] == [gguf_cache.entry_path(model, torch.bfloat16, str(cache)).name]
+    entries = [p.name for p in cache.iterdir() if not p.name.startswith(".")]  # less the converters' lock file
+    assert entries == [gguf_cache.entry_path(model, torch.bfloat16, str(cache)).name]
     assert_same(converted, gguf_loader.convert_gguf(model, torch.bfloat16))
     refuse_conversion(monkeypatch)
     assert_same(load_gguf(model, torch.bfloat16, str(cache)), converted)
@@ -53,7 +56,7 @@ def test_each_dtype_and_each_version_of_the_file_has_its_own_entry(model, tmp_pa
     stat = os.stat(model)
     os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     load_gguf(model, torch.float32, cache)
-    names = sorted(p.name.split(".", 1)[1] for p in (tmp_path / "cache").iterdir())
+    names = sorted(p.name.split(".", 1)[1] for p in (tmp_path / "cache").iterdir() if not p.name.startswith("."))
     assert names == ["bfloat16.safetensors", "float32.safetensors", "float32.safetensors"]
 
 
@@ -99,3 +102,27 @@ def test_model_runner_load_passes_the_cache_dir_down(model, tmp_path):
     runner = ModelRunner.load(model, "bfloat16", "cpu", num_blocks=4, cache_dir=cache)
     assert runner.dtype == torch.bfloat16
     assert gguf_cache.entry_path(model, torch.bfloat16, cache).is_file()
+
+
+def test_processes_starting_together_convert_once_and_the_others_read_that_entry(model, tmp_path, monkeypatch):
+    """`pdserve serve`'s workers start at once on an empty cache: one converts, the rest wait
+    for its entry (each open of the lock file counts as a process of its own)."""
+    conversions = []
+    convert = gguf_loader.convert_gguf
+
+    def slow_convert(path, dtype):
+        conversions.append(path)
+        time.sleep(0.3)  # long enough that every other loader finds the lock held
+        return convert(path, dtype)
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf", slow_convert)
+    cache, loaded = str(tmp_path / "cache"), []
+    loaders = [threading.Thread(target=lambda: loaded.append(load_gguf(model, torch.bfloat16, cache)))
+               for _ in range(3)]
+    for loader in loaders:
+        loader.start()
+    for loader in loaders:
+        loader.join(timeout=60)
+    assert (len(conversions), len(loaded)) == (1, 3)
+    for other in loaded[1:]:
+        assert_same(other, loaded[0])

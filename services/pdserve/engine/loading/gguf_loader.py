@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pdserve.common.errors import ConfigError
+from pdserve.models.conversion_cache import one_at_a_time
 from pdserve.models.gguf_file import GgufFile, GgufTensorInfo, read_gguf
 from pdserve.engine.loading import gguf_cache
 from pdserve.engine.loading.dequant import dequantize, num_bytes
@@ -56,8 +57,12 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32,
     cached = gguf_cache.read_entry(path, dtype, cache_dir)
     if cached is not None:
         return cached
-    config, tensors = convert_gguf(path, dtype)
-    gguf_cache.write_entry(path, dtype, cache_dir, config, tensors)
+    with one_at_a_time(gguf_cache.entry_path(path, dtype, cache_dir)):
+        cached = gguf_cache.read_entry(path, dtype, cache_dir)  # a peer's, made while this one waited
+        if cached is not None:
+            return cached
+        config, tensors = convert_gguf(path, dtype)
+        gguf_cache.write_entry(path, dtype, cache_dir, config, tensors)
     return config, tensors
 
 

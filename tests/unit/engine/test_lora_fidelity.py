@@ -2,13 +2,15 @@
 base model in one batch give PEFT's (and transformers') greedy tokens, on torch ops and on the
 native kernels of every ISA level this CPU runs; a prefix cached under one adapter is never reused
 by another or by the base model; bad adapters are refused by name."""
+import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from model_builders import TOKENS_PER_BLOCK, load_runner, prompt
+from model_builders import TOKENS_PER_BLOCK, blocks_for, chunk, load_runner, prompt, run
+from native_levels import LEVELS_HERE
 from pdserve.common.errors import ConfigError, InvalidRequestError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
@@ -103,6 +105,35 @@ def test_chunked_prefill_under_an_adapter_equals_peft(family, kernels):
     got = _run(engine, [_request("a", PROMPTS[3], ids["first"]), _request("b", PROMPTS[1], ids["second"])])
     assert got["a"][0] == greedy(adapters["first"][1], PROMPTS[3], MAX_NEW)
     assert got["b"][0] == greedy(adapters["second"][1], PROMPTS[1], MAX_NEW)
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_a_bf16_model_on_the_native_kernels_adds_each_adapters_delta(family, level):
+    """A bf16 model's deltas are computed in float32 and rounded once: every prompt position's
+    logits under each adapter, and the base model's, are the float32 torch path's within bf16's
+    rounding, in one batch of all three."""
+    base, adapters = family
+    settings = LoraSettings(max_loras=2, max_lora_rank=8)
+    runners = {"bf16": load_runner(base, lora=settings, kernels=level, dtype="bfloat16"),
+               "f32": load_runner(base, lora=settings, kernels="torch")}
+    ids = {}
+    for runner in runners.values():
+        for name, (path, _) in adapters.items():
+            checkpoint = read_lora_checkpoint(path)
+            runner.lora.add(checkpoint)
+            ids[name] = checkpoint.lora_id
+    tokens = PROMPTS[3]
+    span = len(blocks_for(0, len(tokens)))
+    chunks = [dataclasses.replace(chunk(f"r-{name}", tokens, 0, blocks_for(i * span, len(tokens)), all_logits=True,
+                                        is_prompt=True), lora_id=ids.get(name))
+              for i, name in enumerate([None, "first", "second"])]
+    got = {name: logits.float() for name, logits in zip([None, "first", "second"], run(runners["bf16"], *chunks))}
+    want = {name: logits.float() for name, logits in zip([None, "first", "second"], run(runners["f32"], *chunks))}
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=0.15, rtol=0.05, msg=lambda m: f"{name}: {m}")
+    # each adapter moves the logits past that tolerance (else the check proves nothing)
+    for name in ("first", "second"):
+        assert not torch.allclose(want[name], want[None], atol=0.15, rtol=0.05)
 
 
 def test_a_prefix_cached_under_one_adapter_serves_only_that_adapter(family):

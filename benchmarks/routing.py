@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
               ("hit_rate_all", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s") if kv[k] and rr[k]}
     config = {k: v for k, v in vars(args).items() if k not in ("json", "keep_dir", "prefill", "decode", "both")}
     topology = dict(Counter(roles.values()))
-    report = {"benchmark": "routing", "config": {**config, "workers": topology, "model": model,
+    named = args.model or ("tiny" if args.tiny else Path(model).name)  # not this machine's paths
+    report = {"benchmark": "routing", "config": {**config, "workers": topology, "model": named,
                                                  "longest_prompt": longest},
               "results": results, "ratios": ratios}
     text = json.dumps(report, indent=2)

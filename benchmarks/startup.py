@@ -227,6 +227,8 @@ def main() -> None:
     print_table(rows)
     config = {"machine": platform.platform(), "cpus": os.cpu_count(),
               **{k: v for k, v in vars(args).items() if k not in ("json", "child", "cache_dir")}}
+    if args.model == default_model_path():  # the bundled file by name, not this machine's path
+        config["model"] = Path(args.model).name
     result = {"benchmark": "startup", "config": config, "results": rows, "ratios": ratios(rows)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,6 +1,8 @@
-"""SSE keep-alives: a stream whose first token is slow to come (a queued request, a long
-prefill) starts anyway and gets `: keep-alive` comments, so idle-timeout proxies keep it open;
-a refusal within the keep-alive interval is still a plain error status."""
+"""SSE keep-alives: off by default, as in vLLM's server, so a client that strips each network
+chunk (as `vllm bench serve` 0.32 does) reads every event of a slow stream. Turned on, a stream
+whose first token is slow to come (a queued request, a long prefill) starts anyway and gets
+`: keep-alive` comments, so idle-timeout proxies keep it open; a refusal within the keep-alive
+interval is still a plain error status."""
 import json
 from collections.abc import Iterator
 
@@ -10,6 +12,7 @@ import pytest
 
 from http_fakes import MODEL_NAME, WordBackend, load_test_tokenizer, model_info, serve
 from pdserve.common.errors import WorkerUnavailableError
+from pdserve.common.settings import RouterSettings
 from pdserve.router.openai.app import create_app
 from pdserve.router.openai.serving import ApiLimits
 from pdserve.router.openai.streaming import KEEPALIVE_FRAME
@@ -37,6 +40,72 @@ def backend(server: tuple[str, WordBackend]) -> WordBackend:
 def stream_frames(url: str, body: dict[str, object]) -> tuple[int, list[bytes]]:
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as response:
         return response.status_code, [frame + b"\n\n" for frame in response.read().split(b"\n\n") if frame]
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, WordBackend]]:
+    """A server with the keep-alive interval left at its default."""
+    tokenizer = load_test_tokenizer(tmp_path_factory.getbasetemp())
+    backend = WordBackend(tokenizer)
+    limits = ApiLimits(first_output_timeout_s=10.0, output_timeout_s=30.0)
+    with serve(create_app(backend, tokenizer, model_info(tokenizer), limits=limits)) as url:
+        yield url, backend
+
+
+class ChunkStrippingParser:
+    """An SSE reader that works as `vllm bench serve` (0.32) does: each network chunk is stripped
+    of its surrounding whitespace before it joins the buffer, a message ends at a blank line, a
+    trailing `data:` line counts once its JSON is whole, and a message starting with `:` is a
+    comment and skipped. A comment that arrives alone so loses its blank line and takes the event
+    after it down with it."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        chunk = chunk.strip()
+        if not chunk:
+            return []
+        self.buffer += chunk.decode()
+        messages = []
+        while "\n\n" in self.buffer:
+            message, self.buffer = self.buffer.split("\n\n", 1)
+            if message.strip():
+                messages.append(message.strip())
+        tail = self.buffer.removeprefix("data: ").strip()
+        if self.buffer.startswith("data: ") and (tail == "[DONE]" or _is_json(tail)):
+            messages.append(self.buffer.strip())
+            self.buffer = ""
+        return [message for message in messages if not message.startswith(":")]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_keepalives_are_off_by_default() -> None:
+    assert RouterSettings().sse_keepalive_interval_s == 0
+    assert ApiLimits().keepalive_interval_s is None
+
+
+def test_a_client_that_strips_each_chunk_reads_every_event_of_a_slow_stream(
+        default_server: tuple[str, WordBackend]) -> None:
+    url, backend = default_server
+    backend.reset()
+    expected = httpx.post(f"{url}/v1/completions", json=BODY, timeout=30).json()["choices"][0]["text"]
+    backend.first_output_delay_s = 1.0  # a queued request
+    parser, messages = ChunkStrippingParser(), []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**BODY, "stream": True}, timeout=30) as response:
+        assert response.status_code == 200
+        for chunk in response.iter_raw():
+            messages += parser.feed(chunk)
+    assert messages[-1] == "data: [DONE]" and all(m.startswith("data: ") for m in messages)
+    text = "".join(choice["text"] for m in messages[:-1] for choice in json.loads(m.removeprefix("data: "))["choices"])
+    assert text == expected != ""
 
 
 def test_a_slow_first_token_gets_keepalives_then_the_whole_answer(server: tuple[str, WordBackend],

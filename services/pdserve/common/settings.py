@@ -252,10 +252,10 @@ class RouterSettings:
                                         help="wait for a request's first output, queueing included")
     output_timeout_s: float = opt(120.0, parse=cv.parse_float, flag="output-timeout",
                                   help="longest wait between two outputs of one request (seconds)")
-    sse_keepalive_interval_s: float = opt(15.0, parse=cv.parse_float, flag="sse-keepalive-interval",
+    sse_keepalive_interval_s: float = opt(0.0, parse=cv.parse_float, flag="sse-keepalive-interval",
                                           help="a stream with no event for this long (a queued request, a long "
                                                "prefill) gets an SSE comment, so idle-timeout proxies keep it open "
-                                               "(seconds; 0: never)")
+                                               "(seconds; 0, the default: never, as vLLM)")
     generation_config: str = opt("auto", parse=cv.parse_str,
                                  help="default sampling parameters for fields a request leaves unset: auto (the "
                                       "model folder's generation_config.json, as vLLM), vllm (none), or a folder")

@@ -37,7 +37,7 @@ class ApiLimits:
     max_pending_requests: int = 1024  # generation requests; one more gets 503 + Retry-After at once
     first_output_timeout_s: float = 600.0  # a long prompt's prefill, queueing included
     output_timeout_s: float = 120.0  # between two outputs of one prompt
-    keepalive_interval_s: float | None = 15.0  # an SSE comment after this long without an event (None: never)
+    keepalive_interval_s: float | None = None  # an SSE comment after this long without an event (None: never)
     max_choices: int = 256  # prompts × n
 
 

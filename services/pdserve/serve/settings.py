@@ -93,6 +93,9 @@ class ServeSettings:
                                         "death in a row, up to --max-restart-backoff")
     max_restart_backoff_s: float = opt(30.0, parse=cv.parse_float, flag="max-restart-backoff",
                                        help="longest wait before restarting a worker (seconds)")
+    max_worker_deaths: int = opt(5, parse=cv.parse_int, flag="max-worker-deaths",
+                                 help="a worker that exits this many times in a row (none up a minute in between) "
+                                      "is not restarted: serve stops and says why")
     serve_metrics_port: int | None = opt(0, parse=cv.optional(cv.parse_int),
                                          help="serve's own Prometheus metrics (pdserve_worker_restarts_total) on "
                                               "this port (0: a free port, in the banner; '': none)")
@@ -102,7 +105,7 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         check_positive(self, "startup_timeout_s", "shutdown_timeout_s", "restart_backoff_s",
-                       "max_restart_backoff_s")
+                       "max_restart_backoff_s", "max_worker_deaths")
         check(self.max_restart_backoff_s >= self.restart_backoff_s, "max_restart_backoff_s",
               self.max_restart_backoff_s, f"must be >= --restart-backoff ({self.restart_backoff_s:g})")
         check(self.serve_metrics_port is None or 0 <= self.serve_metrics_port < 65536, "serve_metrics_port",
@@ -120,7 +123,8 @@ class ServeSettings:
 
     @property
     def restart_policy(self) -> RestartPolicy:
-        return RestartPolicy(self.restart_backoff_s, self.max_restart_backoff_s)
+        return RestartPolicy(self.restart_backoff_s, self.max_restart_backoff_s,
+                             max_deaths_in_a_row=self.max_worker_deaths)
 
 
 def worker_ports(base: WorkerSettings, num_workers: int) -> tuple[int, ...]:

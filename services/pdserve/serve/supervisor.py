@@ -12,7 +12,8 @@ Restarts: a child with a `RestartPolicy` that exits while watched (killed, crash
 after its own SIGTERM) is started again with the same command line after a backoff that doubles
 with each death in a row; one that stays up `reset_after_s` starts a new series. A restarted
 child not ready within `startup_timeout_s` is killed, which counts as one more death. A child
-without a policy that exits ends `watch()`.
+without a policy that exits ends `watch()`, and so does one that died `max_deaths_in_a_row`
+times in a row (a worker that cannot start is not restarted for ever).
 """
 import signal
 import subprocess
@@ -43,6 +44,7 @@ class RestartPolicy:
     initial_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     reset_after_s: float = 60.0  # up this long since its (re)start: its next death starts a new series
+    max_deaths_in_a_row: int | None = None  # this many deaths in a row end `watch()`; None: no bound
 
     def backoff_s(self, num_deaths_in_a_row: int) -> float:
         return min(self.initial_backoff_s * 2.0 ** (num_deaths_in_a_row - 1), self.max_backoff_s)
@@ -147,6 +149,9 @@ class Supervisor:
         if child.is_ready and now - child.started_at >= policy.reset_after_s:
             child.num_deaths_in_a_row = 0
         child.num_deaths_in_a_row += 1
+        if policy.max_deaths_in_a_row is not None and child.num_deaths_in_a_row >= policy.max_deaths_in_a_row:
+            raise ChildFailedError(f"{child.spec.name} exited {child.num_deaths_in_a_row} times in a row (last with code "
+                                   f"{exit_code}); not restarting it again: its log above says why")
         backoff_s = policy.backoff_s(child.num_deaths_in_a_row)
         child.restart_at = now + backoff_s
         if self._listener is not None:

@@ -33,11 +33,16 @@ class DiskKvStore:
         self.files.commit(temporary, block_hash)
 
     def load_into(self, block_hash: BlockHash, destination: torch.Tensor) -> None:
+        """Read the block's file into `destination`; OSError, `destination` untouched, where the file
+        is not this block's or its bytes do not match its header."""
         fd = self.files.open_for_read(block_hash)
         try:
+            record = self.files.header_of(fd, block_hash)
             self._io.read(self._staging, fd, HEADER_BYTES)
         finally:
             os.close(fd)
+        if checksum(self._staging.view(torch.uint8).numpy()) != record.checksum:
+            raise OSError(f"{block_hash.hex()[:16]}: the block's bytes do not match its checksum")
         destination.copy_(self._staging)
 
     def close(self) -> None:

@@ -142,5 +142,5 @@ def test_workers_restart_with_the_serve_backoff_and_the_router_does_not() -> Non
     settings = resolve_serve_settings(["--model", "/m/tiny.gguf", "--restart-backoff", "2",
                                        "--max-restart-backoff", "16"], {})
     workers, (router,) = child_stages(settings)
-    assert [spec.restart for spec in workers] == [RestartPolicy(2.0, 16.0)] * 2
+    assert [spec.restart for spec in workers] == [RestartPolicy(2.0, 16.0, max_deaths_in_a_row=5)] * 2
     assert router.restart is None

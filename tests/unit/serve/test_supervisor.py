@@ -151,6 +151,22 @@ def test_a_child_dying_again_and_again_is_restarted_with_a_doubling_backoff_up_t
     assert list(codes) == ["decode"]
 
 
+def test_a_child_that_keeps_dying_is_given_up_after_its_bound_and_watch_says_why(tmp_path: Path) -> None:
+    recorder = Recorder("never", 1)
+    supervisor = Supervisor(30.0, 10.0, poll_interval_s=0.02, listener=recorder)
+    spec = stand_in(tmp_path, "decode", "die-later")
+    policy = RestartPolicy(0.01, 0.04, reset_after_s=60, max_deaths_in_a_row=3)
+    try:
+        supervisor.start(ChildSpec(spec.name, spec.argv, spec.is_ready, restart=policy))
+        with pytest.raises(ChildFailedError, match="decode exited 3 times in a row .last with code 4."):
+            supervisor.watch()
+    finally:
+        codes = supervisor.stop_all()
+    assert [event for event in recorder.events if event[0] != "ready"] == [
+        ("died", "decode", 4, 0.01, 1), ("restarted", "decode"), ("died", "decode", 4, 0.02, 2), ("restarted", "decode")]
+    assert list(codes) == ["decode"]
+
+
 def test_a_child_that_stayed_up_long_enough_starts_a_new_backoff_series(tmp_path: Path) -> None:
     recorder, _ = supervise(tmp_path, "die-later", RestartPolicy(0.01, 0.04, reset_after_s=0.2), "restarted", 3)
     deaths = [event for event in recorder.events if event[0] == "died"]

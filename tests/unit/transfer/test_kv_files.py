@@ -1,8 +1,12 @@
-"""Block files of the disk tier: header round trip, checksums, and what a scan takes or leaves."""
+"""Block files of the disk tier: header round trip, checksums, what a scan takes, removes or
+leaves, and the folders and links it refuses."""
 import os
 
+import pytest
+
+from pdserve.common.errors import ConfigError
 from pdserve.common.ids import BlockHash
-from pdserve.transfer.kv_files import HEADER_BYTES, BlockFiles, BlockRecord, checksum
+from pdserve.transfer.kv_files import HEADER_BYTES, MAGIC, BlockFiles, BlockRecord, checksum
 
 SIZE = 64
 
@@ -34,7 +38,7 @@ def test_a_scan_reads_headers_parents_first_and_verify_checks_the_bytes(tmp_path
     assert not files.verify(key(2)) and files.verify(key(3))
 
 
-def test_truncated_unfinished_and_foreign_files_are_left_alone(tmp_path):
+def test_a_truncated_block_file_is_removed_unfinished_and_foreign_files_are_left_alone(tmp_path):
     files = BlockFiles(tmp_path, "fp", SIZE)
     write(files, 1, None)
     write(files, 2, None)
@@ -43,7 +47,42 @@ def test_truncated_unfinished_and_foreign_files_are_left_alone(tmp_path):
     (files.folder / "README").write_text("mine")
     assert [r.block_hash for r in files.scan()] == [key(1)]
     assert files.num_corrupt_at_start == 1
-    assert files.path(key(2)).exists() and (files.folder / "README").read_text() == "mine"
+    assert not files.path(key(2)).exists() and (files.folder / "README").read_text() == "mine"
+    assert (files.folder / ".abc.123.tmp").exists()
     assert not files.verify(key(2))
     files.delete(key(1))
     assert not files.path(key(1)).exists()
+
+
+@pytest.mark.parametrize("body", [b"{}", b"[1, 2]", b'"text"', b'{"block_hash": 7, "parent": null}', b"{not json"])
+def test_a_header_of_any_other_json_is_a_miss_counted_and_removed(tmp_path, body):
+    files = BlockFiles(tmp_path, "fp", SIZE)
+    write(files, 1, None)
+    bad = files.path(key(2))
+    bad.write_bytes((MAGIC + body + b"\n").ljust(HEADER_BYTES, b"\0") + bytes(SIZE))
+    assert [r.block_hash for r in files.scan()] == [key(1)]
+    assert files.num_corrupt_at_start == 1 and not bad.exists()
+    assert not files.verify(key(2))
+
+
+@pytest.mark.parametrize("which", ["root", "folder"])
+def test_a_folder_others_may_write_to_is_refused(tmp_path, which):
+    BlockFiles(tmp_path, "fp", SIZE)
+    (tmp_path if which == "root" else tmp_path / "fp").chmod(0o777)
+    with pytest.raises(ConfigError, match="no one else may write to"):
+        BlockFiles(tmp_path, "fp", SIZE)
+
+
+def test_links_are_never_followed(tmp_path):
+    files = BlockFiles(tmp_path / "disk", "fp", SIZE)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    planted = files.folder / f".{key(1).hex()}.{os.getpid()}.tmp"  # where the next write of block 1 starts
+    planted.symlink_to(outside)
+    write(files, 1, None)
+    assert outside.read_bytes() == b"keep" and files.verify(key(1))
+    files.path(key(2)).symlink_to(files.path(key(1)))  # a block file that is a link to another
+    assert not files.verify(key(2))
+    with pytest.raises(OSError):
+        files.open_for_read(key(2))
+    assert [r.block_hash for r in files.scan()] == [key(1)] and files.num_corrupt_at_start == 1

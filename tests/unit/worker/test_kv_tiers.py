@@ -107,3 +107,21 @@ def test_a_block_file_gone_when_it_is_read_back_is_recomputed_not_served(checkpo
     assert again == first
     assert llm.kv.tiers.num_corrupt >= 1
     assert llm.kv.num_used_blocks == 0
+
+
+def test_every_read_is_checked_a_file_changed_after_it_was_written_is_recomputed_and_removed(checkpoint, tmp_path):
+    llm = engine(checkpoint, tmp_path)
+    first, _ = generate(llm, PROMPT, "first")
+    push_down(llm)
+    files = sorted(tmp_path.rglob("*.kv"))
+    for path in files:  # written by this engine, then changed behind its back
+        with open(path, "r+b") as f:
+            f.seek(HEADER_BYTES + 5)
+            byte = f.read(1)
+            f.seek(HEADER_BYTES + 5)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    again, cached = generate(llm, PROMPT, "again")
+    assert again == first
+    assert llm.kv.tiers.num_corrupt >= 1
+    assert not all(path.exists() for path in files)  # what was read and failed is gone
+    assert llm.kv.num_used_blocks == 0

@@ -27,8 +27,9 @@ class KvTierStore:
     disk: DiskKvStore | None = None
 
     def apply(self, moves: Sequence[TierMove]) -> list[BlockId]:
-        """Make the moves in order. A failed disk read leaves its device block listed (the engine
-        has it recomputed); a failed write leaves the block out of the disk tier (a miss later)."""
+        """Make the moves in order. A failed disk read (a file gone, unreadable, or whose bytes do
+        not match its header) leaves its device block listed (the engine has it recomputed) and
+        removes the file; a failed write leaves the block out of the disk tier (a miss later)."""
         unread = []
         for move in moves:
             if move.kind in (MoveKind.OFFLOAD, MoveKind.ONBOARD):
@@ -46,6 +47,7 @@ class KvTierStore:
                 log.warning("disk KV tier: %s of block %s failed: %s", move.kind.value, move.block_hash.hex()[:16], exc)
                 if move.kind is MoveKind.LOAD:
                     unread.append(move.block_id)
+                    self.disk.files.delete(move.block_hash)  # a miss from now on, never read again
         return unread
 
     def verify(self, block_hash: BlockHash) -> bool:

@@ -61,6 +61,7 @@ class WordBackend:
         self.fail_after: int | None = None  # outputs sent before raising WorkerError
         self.fail_on_start: Exception | None = None
         self.first_output_delay_s = 0.0  # a queued request: seconds before the first output
+        self.token_interval_s = 0.0  # seconds between two steps of a request
         self.stats_error: Exception | None = None
         self.closed_early = threading.Event()  # a stream was abandoned before it finished
         self.closed_ids: list[RequestId] = []
@@ -98,7 +99,7 @@ class WordBackend:
                     unfinished.discard(i)
                 yield output
                 num_sent += 1
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.token_interval_s)
 
     def _step(self, request: GenerationRequest, rng: random.Random | None, stop: StopChecker,
               index: int, step: int) -> RequestOutput:

@@ -30,10 +30,12 @@ ACME_KEY, BOLT_KEY, DEFAULT_KEY = "sk-acme-0123456789", "sk-bolt-9876543210", "s
 ALL_KEYS = (ACME_KEY, BOLT_KEY, DEFAULT_KEY)
 # ~70 tokens: four full 16-token blocks, so a repeat hits at least 48 cached tokens
 PROMPT = "The old lighthouse keeper climbed the stairs every night to light the lamp. " * 4
-V1_ROUTES = [
+KEYED_ROUTES = [
     ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
     ("GET", "/v1/models", None),
+    ("POST", "/tokenize", {"prompt": "Hello"}),  # vLLM's tokenizer routes sit beside /v1/, keyed as it is
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
 ]
 
 
@@ -105,9 +107,9 @@ def stack(checkpoint: str, keys_file: str, tmp_path_factory: pytest.TempPathFact
             stop(process)
 
 
-@pytest.mark.parametrize("method, path, body", V1_ROUTES, ids=[path for _, path, _ in V1_ROUTES])
+@pytest.mark.parametrize("method, path, body", KEYED_ROUTES, ids=[path for _, path, _ in KEYED_ROUTES])
 @pytest.mark.parametrize("key", [None, "sk-wrong", ACME_KEY[:-1], ACME_KEY + "0"], ids=repr)
-def test_a_v1_route_without_a_valid_key_is_401_in_the_envelope(stack: Stack, method: str, path: str,
+def test_a_keyed_route_without_a_valid_key_is_401_in_the_envelope(stack: Stack, method: str, path: str,
                                                                body: dict | None, key: str | None) -> None:
     response = stack.call(method, path, body, key)
     assert response.status_code == 401
@@ -117,9 +119,9 @@ def test_a_v1_route_without_a_valid_key_is_401_in_the_envelope(stack: Stack, met
     assert error["message"] in ("invalid API key", "missing API key: send 'Authorization: Bearer <key>'")
 
 
-@pytest.mark.parametrize("method, path, body", V1_ROUTES, ids=[path for _, path, _ in V1_ROUTES])
+@pytest.mark.parametrize("method, path, body", KEYED_ROUTES, ids=[path for _, path, _ in KEYED_ROUTES])
 @pytest.mark.parametrize("key", ALL_KEYS, ids=["acme", "bolt", "default"])
-def test_a_v1_route_with_a_valid_key_is_200(stack: Stack, method: str, path: str, body: dict | None,
+def test_a_keyed_route_with_a_valid_key_is_200(stack: Stack, method: str, path: str, body: dict | None,
                                            key: str) -> None:
     response = stack.call(method, path, body, key)
     assert response.status_code == 200, response.text

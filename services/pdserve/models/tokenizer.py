@@ -17,6 +17,9 @@ from pdserve.common.model_source import ModelFormat, resolve_model
 from pdserve.models.tokenizer_files import TokenizerSpec, read_hf_tokenizer
 
 
+RELEASE_LOCK_CHARS = 16 << 10  # texts longer than this are tokenized with the interpreter lock released
+
+
 class Tokenizer:
     """A `tokenizers` backend plus what the checkpoint says about bos/eos and chat."""
 
@@ -55,11 +58,19 @@ class Tokenizer:
         return self._chat is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (e.g. BOS)."""
+        """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (e.g. BOS).
+        A long text goes through the batch call, the same ids, which lets go of the interpreter
+        lock while it works (the single call holds it: 8 MiB took 9 s), so a caller on a worker
+        thread leaves an event loop free."""
+        if len(text) > RELEASE_LOCK_CHARS:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `token_ids`. An incomplete UTF-8 sequence decodes to U+FFFD."""
+        """Text of `token_ids`. An incomplete UTF-8 sequence decodes to U+FFFD. Many ids go
+        through the batch call, which lets go of the interpreter lock, as `encode`."""
+        if len(token_ids) > RELEASE_LOCK_CHARS // 4:
+            return self._backend.decode_batch([list(token_ids)], skip_special_tokens=skip_special_tokens)[0]
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:

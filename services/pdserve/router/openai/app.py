@@ -78,7 +78,8 @@ def create_app(
     """An app serving `info`'s model (under `model_names` if given, the first reported in responses);
     it closes `backend` on shutdown.
     `routing`: the backend's routing side, when it chooses among workers (usually `backend` itself).
-    `api_keys`: who may call `/v1/` (None: anyone); `protect_metrics`: `/metrics` too.
+    `api_keys`: who may call `/v1/`, `/tokenize` and `/detokenize` (None: anyone); `protect_metrics`:
+    `/metrics` too.
     `sampling_defaults`: the model's, for fields a request leaves unset (`sampling.checked_defaults`).
     `tool_calls`: whether `tool_choice: "auto"` is served, and how tool calls are read back.
     `loras`: the LoRA adapters served (None: none; loads answer 400)."""
@@ -101,7 +102,8 @@ def create_app(
     app.add_middleware(PendingLimit, max_pending=limits.max_pending_requests, paths=_GENERATION_ROUTES,
                        in_progress=ctx.metrics.in_progress)
     if api_keys is not None:  # outside the pending limit: a refused caller never takes a slot
-        app.add_middleware(RequireApiKey, keys=api_keys, also={"/metrics"} if protect_metrics else ())
+        also = _TOKENIZER_ROUTES | ({"/metrics"} if protect_metrics else set())
+        app.add_middleware(RequireApiKey, keys=api_keys, also=also)
     app.add_middleware(_CountRequests, metrics=ctx.metrics)  # the outer one: refusals are counted too
     _add_generation_routes(app, ctx, routing)
     _add_tokenizer_routes(app, ctx)

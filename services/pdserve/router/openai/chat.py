@@ -16,7 +16,7 @@ from pdserve.router.openai.errors import bad_request
 from pdserve.router.openai.structured.guided import guide_of
 from pdserve.router.openai.logprobs import LogprobFormatter
 from pdserve.router.openai.metrics import RequestTimer
-from pdserve.router.openai.prompts import chat_prompt
+from pdserve.router.openai.prompts import chat_prompt, off_loop
 from pdserve.router.openai.protocol import ChatCompletionRequest
 from pdserve.router.openai.responses import (
     ChatChoice,
@@ -114,8 +114,8 @@ def _delta(content: str, tool_calls: list[ToolCallDelta]) -> ChatDelta:
 
 
 async def create_chat_completion(request: Request, ctx: ServingContext, response_id: str) -> Response:
-    body = with_defaults(parse_body(await read_body(request, ctx.limits.max_body_bytes), ChatCompletionRequest),
-                         ctx.sampling_defaults)
+    raw = await read_body(request, ctx.limits.max_body_bytes)
+    body = with_defaults(parse_body(raw, ChatCompletionRequest), ctx.sampling_defaults)
     ctx.check_model(body.model)
     ctx = ctx.for_model(body.model)
     check_chat_supported(body)
@@ -124,7 +124,7 @@ async def create_chat_completion(request: Request, ctx: ServingContext, response
     if plan.guide is not None and guide is not None:
         raise bad_request(f"tool_choice {plan.mode!r} already constrains the output; drop the "
                           "structured output field", "tool_choice")
-    prompt = chat_prompt(body, ctx.tokenizer, ctx.info.max_model_len, plan.template_tools)
+    prompt = await off_loop(len(raw), chat_prompt, body, ctx.tokenizer, ctx.info.max_model_len, plan.template_tools)
     if body.max_completion_tokens is not None:
         max_tokens = MaxTokens(body.max_completion_tokens, ctx.default_max_tokens(None), "max_completion_tokens")
     else:

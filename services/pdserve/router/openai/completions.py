@@ -18,7 +18,7 @@ from pdserve.router.openai.body import parse_body, read_body
 from pdserve.router.openai.structured.guided import guide_of
 from pdserve.router.openai.logprobs import LogprobFormatter
 from pdserve.router.openai.metrics import RequestTimer
-from pdserve.router.openai.prompts import Prompt, completion_prompts
+from pdserve.router.openai.prompts import Prompt, completion_prompts, num_prompts, off_loop
 from pdserve.router.openai.protocol import CompletionRequest
 from pdserve.router.openai.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from pdserve.router.openai.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_completion_supported, with_defaults
@@ -27,6 +27,7 @@ from pdserve.router.openai.serving import (
     MaxTokens,
     ServingContext,
     UsageCounter,
+    check_choices,
     collect,
     generation_requests,
     unless_disconnected,
@@ -112,13 +113,14 @@ def _extend(total: CompletionLogprobs | None, step: CompletionLogprobs) -> Compl
 
 
 async def create_completion(request: Request, ctx: ServingContext, response_id: str) -> Response:
-    body = with_defaults(parse_body(await read_body(request, ctx.limits.max_body_bytes), CompletionRequest),
-                         ctx.sampling_defaults)
+    raw = await read_body(request, ctx.limits.max_body_bytes)
+    body = with_defaults(parse_body(raw, CompletionRequest), ctx.sampling_defaults)
     ctx.check_model(body.model)
     ctx = ctx.for_model(body.model)
     check_completion_supported(body)
+    check_choices(ctx.limits, num_prompts(body), body.n)
     info = ctx.info
-    prompts = completion_prompts(body, ctx.tokenizer, info.vocab_size, info.max_model_len)
+    prompts = await off_loop(len(raw), completion_prompts, body, ctx.tokenizer, info.vocab_size, info.max_model_len)
     requested = 1 if body.max_tokens == 0 else body.max_tokens  # 0: echo alone, see `_Completion.add`
     max_tokens = MaxTokens(requested, ctx.default_max_tokens(DEFAULT_COMPLETION_MAX_TOKENS), "max_tokens")
     requests = generation_requests(ctx, body, prompts, response_id, max_tokens, body.logprobs, guide_of(body))

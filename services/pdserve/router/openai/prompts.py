@@ -3,15 +3,30 @@
 Completions take a string, a list of token ids, or a batch of either; chat messages are
 rendered with the model's chat template and then encoded without adding special tokens
 (the template already wrote them). Every prompt must leave room for at least one token.
+A large body is turned into prompts on a worker thread (`off_loop`): rendering and tokenizing
+megabytes takes seconds, and the tokenizer lets go of the interpreter lock for long texts.
 """
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pdserve.router.openai.errors import bad_request
 from pdserve.router.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.router.openai.sampling import check_token_ids
 from pdserve.router.openai.structured.tools import template_messages
+
+
+OFF_LOOP_BYTES = 64 << 10  # request bodies larger than this are turned into prompts on a worker thread
+T = TypeVar("T")
+
+
+async def off_loop(num_bytes: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`: inline for a body of `num_bytes` up to OFF_LOOP_BYTES, else on a worker thread,
+    so the event loop goes on relaying every other stream meanwhile."""
+    if num_bytes <= OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 class PromptTokenizer(Protocol):
@@ -41,13 +56,7 @@ def completion_prompts(
     body: CompletionRequest, tokenizer: PromptTokenizer, vocab_size: int, max_model_len: int
 ) -> list[Prompt]:
     """One `Prompt` per element of a batch (a single prompt is a batch of one)."""
-    raw = body.prompt
-    if isinstance(raw, str):
-        items: list[str | list[int]] = [raw]
-    elif raw and all(isinstance(token, int) for token in raw):
-        items = [list(raw)]  # type: ignore[arg-type]  # a single prompt of token ids
-    else:
-        items = list(raw)  # type: ignore[arg-type]  # a batch
+    items = _prompt_items(body)
     if not items:
         raise bad_request("'prompt' must not be empty", "prompt")
     prompts = []
@@ -61,6 +70,20 @@ def completion_prompts(
         prompt = checked_prompt(token_ids, param, max_model_len)
         prompts.append(Prompt(prompt.token_ids, param, item) if isinstance(item, str) else prompt)
     return prompts
+
+
+def num_prompts(body: CompletionRequest) -> int:
+    """How many prompts the body holds, without tokenizing any."""
+    return len(_prompt_items(body))
+
+
+def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:
+    raw = body.prompt
+    if isinstance(raw, str):
+        return [raw]
+    if raw and all(isinstance(token, int) for token in raw):
+        return [list(raw)]  # type: ignore[arg-type]  # a single prompt of token ids
+    return list(raw)  # type: ignore[arg-type]  # a batch
 
 
 def chat_prompt(

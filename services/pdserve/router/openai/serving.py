@@ -102,6 +102,12 @@ class MaxTokens:
     param: str
 
 
+def check_choices(limits: ApiLimits, num_prompts: int, n: int) -> None:
+    """400 for more prompts × n than `limits.max_choices` (checked before anything is tokenized)."""
+    if num_prompts * n > limits.max_choices:
+        raise bad_request(f"{num_prompts} prompts × n={n} exceeds {limits.max_choices} choices", "n")
+
+
 def generation_requests(
     ctx: ServingContext,
     body: SamplingBody,
@@ -113,8 +119,7 @@ def generation_requests(
 ) -> list[GenerationRequest]:
     """One backend request per prompt, ids `<response_id>-<prompt index>`; `guide` constrains
     every output."""
-    if len(prompts) * body.n > ctx.limits.max_choices:
-        raise bad_request(f"{len(prompts)} prompts × n={body.n} exceeds {ctx.limits.max_choices} choices", "n")
+    check_choices(ctx.limits, len(prompts), body.n)
     bad_words = bad_words_token_ids(body.bad_words, ctx.tokenizer, ctx.info.vocab_size)
     requests = []
     for i, prompt in enumerate(prompts):

@@ -1,7 +1,7 @@
 """`RequireApiKey`: who may call `/v1/*`, and which tenant each caller is.
 
-With keys configured, a request to any path under `/v1/` (and to `/metrics` when protected)
-must send `Authorization: Bearer <key>`; without a key, or with a wrong one, it is answered 401
+With keys configured, a request to any path under `/v1/` (and to the others the app names:
+`/tokenize`, `/detokenize`, and `/metrics` when protected) must send `Authorization: Bearer <key>`; without a key, or with a wrong one, it is answered 401
 in OpenAI's envelope with `WWW-Authenticate: Bearer`, before anything else runs. `/health*`
 and `/metrics` stay open by default: orchestrators and Prometheus probe them without keys.
 """

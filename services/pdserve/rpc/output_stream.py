@@ -12,6 +12,11 @@ the request's result, its deadline bounds it, and cancelling it aborts the reque
 
 The two calls are separate HTTP/2 streams: `Generate` can end before the stream brings the
 request's last outputs, so the router's end waits for those (at most `LATE_OUTPUTS_S`).
+
+What is ready goes out in messages of at most `MAX_BATCH_BYTES` (gRPC refuses a message over
+its receive limit, and one refused message would end the stream of every request on it): two
+7,000-token `echo` answers with 20 logprobs each are ~5 MiB together. One output larger than
+that goes alone, and the router's channel takes messages up to `MAX_MESSAGE_BYTES`.
 """
 import asyncio
 import contextlib
@@ -25,12 +30,15 @@ from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import RequestOutput
 from pdserve.rpc import convert
+from pdserve.rpc.gen import request_pb2 as rpb
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 LATE_OUTPUTS_S = 10.0  # from a request's `Generate` ending to its last outputs on the stream
+MAX_BATCH_BYTES = 3 << 20  # one OutputBatch, under gRPC's default 4 MiB receive limit
+MAX_MESSAGE_BYTES = 64 << 20  # what the router receives: one output alone (a long prompt's logprobs)
 
 
 class OutputQueue:
@@ -59,6 +67,22 @@ class OutputQueue:
             if self._ready and not self.is_closed:
                 batch, self._ready = self._ready, []
                 yield batch
+
+
+def output_messages(batch: list[RequestOutput]) -> Iterator[wpb.OutputBatch]:
+    """`batch` in order, as messages of at most MAX_BATCH_BYTES (an output larger alone in one)."""
+    protos: list[rpb.RequestOutput] = []
+    size = 0
+    for output in batch:
+        proto = convert.output_to_proto(output)
+        num_bytes = proto.ByteSize() + 8  # the field's tag and length
+        if protos and size + num_bytes > MAX_BATCH_BYTES:
+            yield wpb.OutputBatch(outputs=protos)
+            protos, size = [], 0
+        protos.append(proto)
+        size += num_bytes
+    if protos:
+        yield wpb.OutputBatch(outputs=protos)
 
 
 class OutputHub:
@@ -95,7 +119,8 @@ class OutputHub:
         try:
             await context.write(wpb.OutputBatch())  # open: the caller may name it now
             async for batch in queue.batches():
-                await context.write(wpb.OutputBatch(outputs=[convert.output_to_proto(o) for o in batch]))
+                for message in output_messages(batch):
+                    await context.write(message)
         finally:
             queue.close()  # a request still putting outputs here fails, and the worker aborts it
             if self._queues.get(stream_id) is queue:

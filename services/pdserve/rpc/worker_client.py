@@ -30,6 +30,8 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
+# the worker channel also takes one output larger than an output batch (`output_stream`)
+WORKER_CHANNEL_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.max_receive_message_length", 64 << 20))
 
 
 class GrpcBackend:
@@ -61,7 +63,7 @@ class GrpcBackend:
 
     def _worker(self) -> worker_pb2_grpc.WorkerStub:
         if self._stub is None:
-            self._channel = aio_channel(self.address, self._tls, CHANNEL_OPTIONS)
+            self._channel = aio_channel(self.address, self._tls, WORKER_CHANNEL_OPTIONS)
             self._stub = worker_pb2_grpc.WorkerStub(self._channel)
             self._loras = worker_pb2_grpc.LoraAdaptersStub(self._channel)
         return self._stub

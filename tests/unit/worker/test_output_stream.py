@@ -10,7 +10,7 @@ from fake_engine import FakeEngine, expected_outputs, make_request
 
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import RequestId
-from pdserve.common.request import RequestOutput
+from pdserve.common.request import RequestOutput, TokenLogprob
 from pdserve.rpc import convert, output_stream
 from pdserve.rpc.gen import worker_pb2_grpc
 from pdserve.rpc.output_stream import OutputDemux, OutputQueue
@@ -163,5 +163,41 @@ def test_a_stopping_worker_ends_the_stream_once_its_requests_are_done() -> None:
         await asyncio.sleep(0.2)
         assert backend._output_stream is not None and backend._output_stream.is_closed
         await backend.close()
+
+    run(scenario())
+
+
+def echo_with_logprobs(rid: str, num_prompt_tokens: int = 7000, top: int = 20) -> RequestOutput:
+    """A first output of `echo` with `logprobs: 20` over a long prompt: ~2 MiB on the wire."""
+    logprobs = tuple(TokenLogprob(i, -1.5, tuple((i + j, -2.0 - j) for j in range(top)))
+                     for i in range(num_prompt_tokens))
+    return RequestOutput(RequestId(rid), 0, (1,), "x", finish_reason="length", prompt_logprobs=logprobs,
+                         num_prompt_tokens=num_prompt_tokens)
+
+
+class EchoEngine(FakeEngine):
+    """Answers every request with one large echo output, all of them in the same loop turn."""
+
+    async def generate(self, request, prefill_worker=None):
+        await asyncio.sleep(0.2)  # every request in before any answers: one batch of all
+        yield echo_with_logprobs(request.request_id)
+
+
+def test_long_echoes_with_logprobs_in_one_batch_reach_their_requests() -> None:
+    big = [echo_with_logprobs(f"r{i}") for i in range(3)]
+    assert sum(convert.output_to_proto(o).ByteSize() for o in big[:2]) > 4_000_000  # ~gRPC's default limit
+    messages = list(output_stream.output_messages(big + [output("s", 1)]))
+    assert [len(m.outputs) for m in messages] == [1, 1, 2]
+    assert all(m.ByteSize() <= output_stream.MAX_BATCH_BYTES for m in messages)
+
+    async def scenario() -> None:
+        engine = EchoEngine()
+        async with serving(engine) as (_, backend):
+            async def collect(rid: str):
+                return [out async for out in backend.generate(make_request(rid, max_tokens=1))]
+
+            got = await asyncio.gather(*(collect(f"r{i}") for i in range(3)))
+            assert [[len(o.prompt_logprobs) for o in outs] for outs in got] == [[7000]] * 3
+        assert engine.aborted == []
 
     run(scenario())

@@ -1,7 +1,8 @@
 """LoRA adapters in the HTTP API, with the official `openai` client and real uvicorn in front of
 `WordBackend` and an in-memory adapter set: a request naming an adapter carries its id to the
 worker and is answered under its name; `/v1/models` lists adapters with their parent; the load
-and unload routes answer as vLLM's do, errors in OpenAI's envelope."""
+and unload routes answer as vLLM's do, errors in OpenAI's envelope, exist only when runtime
+updates are allowed, and take only an admin key when keys are configured."""
 from collections.abc import Iterator
 
 import httpx
@@ -11,6 +12,8 @@ import pytest
 from http_fakes import MODEL_NAME, WordBackend, load_test_tokenizer, model_info, serve
 from pdserve.common.errors import InvalidRequestError, UnknownLoraAdapterError
 from pdserve.common.stats import LoraAdapterInfo
+from pdserve.router.openai.access.keys import ApiKeys
+from pdserve.router.openai.access.tenants import Tenant
 from pdserve.router.openai.app import create_app
 
 
@@ -44,7 +47,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def server(tokenizer) -> Iterator[tuple[str, WordBackend, FakeLoras]]:
     backend, loras = WordBackend(tokenizer), FakeLoras()
-    with serve(create_app(backend, tokenizer, model_info(tokenizer), loras=loras)) as url:
+    with serve(create_app(backend, tokenizer, model_info(tokenizer), loras=loras, runtime_lora_updating=True)) as url:
         yield url, backend, loras
 
 
@@ -101,8 +104,47 @@ def test_bad_loads_and_unloads_are_refused_in_the_envelope(server, path, body, s
 
 
 def test_a_server_without_adapters_refuses_loads(tokenizer) -> None:
-    with serve(create_app(WordBackend(tokenizer), tokenizer, model_info(tokenizer))) as url:
+    with serve(create_app(WordBackend(tokenizer), tokenizer, model_info(tokenizer),
+                          runtime_lora_updating=True)) as url:
         response = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/p"})
         models = httpx.get(f"{url}/v1/models").json()["data"]
     assert response.status_code == 400 and "serves no LoRA adapters" in response.json()["error"]["message"]
     assert [m["id"] for m in models] == [MODEL_NAME]
+
+
+def test_without_the_switch_the_routes_do_not_exist_as_in_vllm(tokenizer) -> None:
+    loras = FakeLoras()
+    with serve(create_app(WordBackend(tokenizer), tokenizer, model_info(tokenizer), loras=loras)) as url:
+        load = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/adapters/x"})
+        unload = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "sql"})
+    assert (load.status_code, unload.status_code) == (404, 404)
+    assert list(loras.adapters) == ["sql"]
+
+
+ADMIN_KEY, ACME_KEY, BOLT_KEY = "sk-admin-000000", "sk-acme-111111", "sk-bolt-222222"
+
+
+def test_with_keys_only_an_admin_key_loads_or_unloads_and_sees_folders(tokenizer) -> None:
+    keys = ApiKeys({ADMIN_KEY: Tenant("ops"), ACME_KEY: Tenant("acme"), BOLT_KEY: Tenant("bolt")}, [ADMIN_KEY])
+    loras = FakeLoras()
+    app = create_app(WordBackend(tokenizer), tokenizer, model_info(tokenizer), loras=loras, api_keys=keys,
+                     runtime_lora_updating=True)
+
+    def call(url: str, path: str, body: dict, key: str) -> httpx.Response:
+        return httpx.post(f"{url}/v1/{path}", json=body, headers={"Authorization": f"Bearer {key}"})
+
+    def roots(url: str, key: str) -> dict[str, str]:
+        cards = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+        return {card["id"]: card.get("root") for card in cards if card.get("parent")}
+
+    with serve(app) as url:
+        acme_load = call(url, "load_lora_adapter", {"lora_name": "acme", "lora_path": "/adapters/acme"}, ACME_KEY)
+        assert acme_load.status_code == 403 and acme_load.json()["error"]["code"] == 403
+        assert call(url, "load_lora_adapter", {"lora_name": "acme", "lora_path": "/adapters/acme"},
+                    ADMIN_KEY).status_code == 200
+        bolt_unload = call(url, "unload_lora_adapter", {"lora_name": "acme"}, BOLT_KEY)  # tenant B, A's adapter
+        assert bolt_unload.status_code == 403
+        assert set(loras.adapters) == {"sql", "acme"}
+        assert roots(url, BOLT_KEY) == {"sql": "sql", "acme": "acme"}  # no folder shown to a tenant
+        assert roots(url, ADMIN_KEY) == {"sql": "/adapters/sql", "acme": "/adapters/acme"}
+        assert call(url, "unload_lora_adapter", {"lora_name": "acme"}, ADMIN_KEY).status_code == 200

@@ -51,7 +51,8 @@ def served(request, family: dict, tmp_path_factory: pytest.TempPathFactory) -> I
         "--model", str(family["checkpoint"]), "--served-model-name", "base", "--port", str(port),
         "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--max-kv-tokens", "4096",
         "--cache-dir", "", "--startup-timeout", "150", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8",
-        "--lora-modules", f"sql={root / 'sql'}", f'{{"name": "chat", "path": "{root / "chat"}"}}', *topology])
+        "--lora-modules", f"sql={root / 'sql'}", f'{{"name": "chat", "path": "{root / "chat"}"}}',
+        "--allow-runtime-lora-updating", "--lora-dir", str(root), *topology])
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -121,10 +122,15 @@ def test_an_adapter_loaded_over_http_serves_and_unloads(served: str, family: dic
     assert complete(served, "sql", PROMPTS[0])[0] == family["expected"]["sql"][0]  # the others stay
 
 
-def test_a_folder_without_an_adapter_is_refused_by_name(served: str, tmp_path: Path) -> None:
-    response = httpx.post(f"{served}/v1/load_lora_adapter", json={"lora_name": "empty", "lora_path": str(tmp_path)})
+def test_a_folder_without_an_adapter_or_outside_the_lora_dir_is_refused_by_name(served: str, family: dict,
+                                                                               tmp_path: Path) -> None:
+    empty = family["root"] / "empty"
+    empty.mkdir(exist_ok=True)
+    response = httpx.post(f"{served}/v1/load_lora_adapter", json={"lora_name": "empty", "lora_path": str(empty)})
     assert response.status_code == 400
     assert "adapter_config.json" in response.json()["error"]["message"]
+    outside = httpx.post(f"{served}/v1/load_lora_adapter", json={"lora_name": "out", "lora_path": str(tmp_path)})
+    assert outside.status_code == 400 and "not in a --lora-dir folder" in outside.json()["error"]["message"]
     missing = httpx.post(f"{served}/v1/load_lora_adapter", json={"lora_name": "x"})
     assert missing.status_code == 400
     assert "empty" not in {card["id"] for card in httpx.get(f"{served}/v1/models").json()["data"]}

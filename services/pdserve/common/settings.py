@@ -141,6 +141,9 @@ class WorkerSettings:
                                              "{\"name\": ..., \"path\": ...}); requests name them as their model")
     max_loras: int = opt(1, parse=cv.parse_int, help="LoRA adapters loaded at once (so also in one batch)")
     max_lora_rank: int = opt(16, parse=cv.parse_int, help="highest LoRA rank an adapter may have")
+    lora_dir: tuple[str, ...] = opt((), parse=cv.parse_names, flag="lora-dir",
+                                    help="folders an adapter loaded at runtime (/v1/load_lora_adapter) must lie "
+                                         "in, links resolved; none: runtime loads are refused")
     drain_timeout_s: float = opt(5.0, parse=cv.parse_float, flag="drain-timeout",
                                  help="seconds running requests may finish after SIGTERM")
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")
@@ -278,9 +281,14 @@ class RouterSettings:
                                         "comma-separated; all of tenant 'default' (prefer PDSERVE_API_KEY: a flag "
                                         "shows in the process list)")
     api_keys_file: str | None = opt(None, parse=cv.optional(cv.parse_str),
-                                    help="file of '<key> <tenant>' lines; each tenant has a KV cache of its own")
+                                    help="file of '<key> <tenant> [admin]' lines; each tenant has a KV cache of its "
+                                         "own; admin keys may also load and unload LoRA adapters")
     protect_metrics: bool = opt(False, parse=cv.parse_bool,
                                 help="/metrics too requires an API key (/health* stays open)")
+    allow_runtime_lora_updating: bool = opt(False, parse=cv.parse_bool,
+                                            help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or "
+                                                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, vLLM's switch); with API keys "
+                                                 "only an admin key may call them")
     # ---- tool calling (see router/openai/tools.py) ----
     enable_auto_tool_choice: bool = opt(False, parse=cv.parse_bool,
                                         help='serve tool_choice "auto": the model decides, its output is read with '

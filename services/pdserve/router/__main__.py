@@ -10,6 +10,7 @@ Every call to a worker is mutual TLS under `--tls-dir`'s certificate, or plain t
 """
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -90,7 +91,7 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
     app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend,
                      api_keys=api_keys, protect_metrics=settings.protect_metrics, sampling_defaults=sampling_defaults,
                      tool_calls=ToolCallConfig(settings.enable_auto_tool_choice, settings.tool_call_parser),
-                     loras=backend)
+                     loras=backend, runtime_lora_updating=runtime_lora_updating(settings))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     names = settings.served_model_name or (info.model_name,)
@@ -133,3 +134,9 @@ def routing_config(settings: RouterSettings) -> RoutingConfig:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def runtime_lora_updating(settings: RouterSettings) -> bool:
+    """`--allow-runtime-lora-updating`, or vLLM's switch in the environment."""
+    return settings.allow_runtime_lora_updating or os.environ.get(
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")

@@ -112,7 +112,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     if tls is None:
         log.warning(INSECURE_WARNING)
     engine = build_threaded_engine(engine_spec(settings))
-    loras = LoraRegistry(engine)
+    loras = LoraRegistry(engine, settings.lora_dir)
     if settings.enable_lora:
         log.info("LoRA enabled (up to %d adapters of rank <= %d)", settings.max_loras, settings.max_lora_rank)
         loras.load_at_start(settings.lora_module_pairs)

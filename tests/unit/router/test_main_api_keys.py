@@ -18,7 +18,7 @@ def test_a_malformed_keys_file_exits_2_naming_the_line_not_the_key(tmp_path: Pat
     keys.write_text("sk-good acme\nsk-secret-one\n")
     assert main(["--api-keys-file", str(keys)]) == 2
     err = capsys.readouterr().err
-    assert err == (f"pdserve router: line 2 of {keys}='<redacted>': expected '<key> <tenant>', a key of printable "
+    assert err == (f"pdserve router: line 2 of {keys}='<redacted>': expected '<key> <tenant> [admin]', a key of printable "
                    "ASCII without commas\n")
 
 

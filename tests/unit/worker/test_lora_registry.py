@@ -3,6 +3,7 @@ files and refused for other files under a taken name, the base model's name or a
 LoRA; two names of the same files share one set of weights until both are unloaded; every change
 shows in the worker's `ModelInfo`."""
 import asyncio
+import shutil
 
 import pytest
 
@@ -36,14 +37,16 @@ def folder(tmp_path_factory):
     return path
 
 
-def _with_registry(folder, body, lora: LoraSettings | None = LoraSettings(max_loras=2, max_lora_rank=8)) -> None:
+def _with_registry(folder, body, lora: LoraSettings | None = LoraSettings(max_loras=2, max_lora_rank=8),
+                   roots: tuple[str, ...] | None = None) -> None:
+    """`body(registry, engine)`; runtime loads allowed from `roots` (default: the model's folder)."""
     async def main():
         runner = ModelRunner.load(folder, "float32", "cpu", num_blocks=16, tokens_per_block=4, lora=lora)
         engine = ThreadedEngine(LLMEngine(runner, KvCacheManager(KvCacheConfig(tokens_per_block=4), 16),
                                           CharTokenizer(), SchedulerConfig(8, 256, 128)), INFO, idle_wait_s=0.005)
         engine.start()
         try:
-            await body(LoraRegistry(engine), engine)
+            await body(LoraRegistry(engine, (str(folder),) if roots is None else roots), engine)
         finally:
             engine.stop()
 
@@ -107,3 +110,47 @@ def test_a_worker_without_lora_refuses_loads(folder) -> None:
             await loras.load("a", str(folder / "a"))
 
     _with_registry(folder, body, lora=None)
+
+
+def test_a_folder_outside_the_lora_dirs_is_refused_and_nothing_is_read(folder, tmp_path) -> None:
+    outside = tmp_path / "outside"
+    shutil.copytree(folder / "a", outside)
+    escape = folder / "escape"  # a link inside the root to the folder outside
+    escape.symlink_to(outside, target_is_directory=True)
+    planted = folder / "planted"  # a folder inside whose weights file links outside
+    planted.mkdir()
+    shutil.copy(folder / "a" / "adapter_config.json", planted)
+    (planted / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+
+    async def body(loras: LoraRegistry, engine: ThreadedEngine) -> None:
+        for path in (outside, escape, planted, folder / ".." / outside.parent.name / "outside", "/etc"):
+            with pytest.raises(InvalidRequestError, match="not in a --lora-dir folder"):
+                await loras.load("x", str(path))
+        assert engine.info().lora_adapters == () and len(engine.engine.runner.lora) == 0
+
+    try:
+        _with_registry(folder, body)
+    finally:
+        escape.unlink()
+        shutil.rmtree(planted)
+
+
+def test_without_lora_dirs_runtime_loads_are_refused(folder) -> None:
+    async def body(loras: LoraRegistry, engine: ThreadedEngine) -> None:
+        with pytest.raises(InvalidRequestError, match="start it with --lora-dir"):
+            await loras.load("a", str(folder / "a"))
+
+    _with_registry(folder, body, roots=())
+
+
+def test_a_weights_file_larger_than_an_adapter_of_this_model_is_not_read(folder, tmp_path) -> None:
+    big = tmp_path / "big"
+    shutil.copytree(folder / "a", big)
+    with open(big / "adapter_model.safetensors", "r+b") as f:
+        f.truncate(64 << 20)  # sparse: no disk written
+
+    async def body(loras: LoraRegistry, engine: ThreadedEngine) -> None:
+        with pytest.raises(InvalidRequestError, match="larger than an adapter of this model can be"):
+            await loras.load("big", str(big))
+
+    _with_registry(folder, body, roots=(str(tmp_path),))

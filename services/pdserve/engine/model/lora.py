@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.common.errors import ConfigError, InvalidRequestError
-from pdserve.engine.loading.lora_files import LoraCheckpoint
+from pdserve.engine.loading.lora_files import TARGET_MODULES, LoraCheckpoint
 from pdserve.engine.loading.model_config import ModelConfig
 
 QKV, O_PROJ, GATE_UP, DOWN = range(4)  # the decoder's fused projections, in `AdapterLayer` order
@@ -89,6 +89,14 @@ class LoraAdapters:
         self._kernel_weights = kernel_weights  # set where steps run on the native kernels
         self._adapters: dict[int, LoraAdapter] = {}
 
+
+    @property
+    def max_weights_bytes(self) -> int:
+        """The most an adapter's weights file may hold: every projection of every layer at
+        `max_lora_rank` in float32, and 1 MiB of header (a larger file is not read)."""
+        c = self._config
+        per_layer = sum(sum(projection_shape(c, name)) for name in TARGET_MODULES)
+        return self.settings.max_lora_rank * per_layer * c.num_layers * 4 + (1 << 20)
     def __contains__(self, lora_id: object) -> bool:
         return lora_id in self._adapters
 

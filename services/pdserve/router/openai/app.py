@@ -33,7 +33,7 @@ from pdserve.common.ids import RequestId
 from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.router.backend import GenerateBackend, LoraAdapters, Routing
 from pdserve.router.openai.admission import PendingLimit
-from pdserve.router.openai.access.guard import RequireApiKey, tenant_of
+from pdserve.router.openai.access.guard import RequireApiKey, is_admin, tenant_of
 from pdserve.router.openai.access.keys import ApiKeys
 from pdserve.router.openai.chat import create_chat_completion
 from pdserve.router.openai.completions import create_completion
@@ -74,6 +74,7 @@ def create_app(
     sampling_defaults: Mapping[str, float | int] | None = None,
     tool_calls: ToolCallConfig = ToolCallConfig(),
     loras: LoraAdapters | None = None,
+    runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """An app serving `info`'s model (under `model_names` if given, the first reported in responses);
     it closes `backend` on shutdown.
@@ -82,7 +83,8 @@ def create_app(
     `/metrics` too.
     `sampling_defaults`: the model's, for fields a request leaves unset (`sampling.checked_defaults`).
     `tool_calls`: whether `tool_choice: "auto"` is served, and how tool calls are read back.
-    `loras`: the LoRA adapters served (None: none; loads answer 400)."""
+    `loras`: the LoRA adapters served (None: none; loads answer 400); `runtime_lora_updating`:
+    serve the routes that load and unload them (else they do not exist, as in vLLM)."""
     ctx = ServingContext(backend, tokenizer, info, tuple(model_names) or (info.model_name,), limits,
                          RouterMetrics(), LogprobFormatter(tokenizer), tool_calls=tool_calls,
                          sampling_defaults=MappingProxyType(dict(sampling_defaults or {})), loras=loras)
@@ -108,7 +110,8 @@ def create_app(
     _add_generation_routes(app, ctx, routing)
     _add_tokenizer_routes(app, ctx)
     _add_status_routes(app, ctx)
-    add_lora_routes(app, loras)
+    if runtime_lora_updating:
+        add_lora_routes(app, loras)
     describe_request_bodies(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
                                   LoadLoraAdapterRequest, UnloadLoraAdapterRequest))
     return app
@@ -140,11 +143,12 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         cards = [ModelCard(id=name, max_model_len=ctx.info.max_model_len) for name in ctx.model_names]
         adapters = ctx.loras.lora_adapters() if ctx.loras is not None else ()
-        cards += [ModelCard(id=a.name, root=a.path, parent=ctx.model_name, max_model_len=ctx.info.max_model_len)
-                  for a in adapters]
+        shows_folders = is_admin(request.scope)  # an adapter's folder is the operator's business
+        cards += [ModelCard(id=a.name, root=a.path if shows_folders else a.name, parent=ctx.model_name,
+                            max_model_len=ctx.info.max_model_len) for a in adapters]
         return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
     @app.get("/health/live")

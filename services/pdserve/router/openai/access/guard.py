@@ -14,6 +14,7 @@ from pdserve.router.openai.access.tenants import Tenant
 from pdserve.router.openai.errors import ApiError
 
 TENANT_SCOPE_KEY = "pdserve.tenant"  # where an authenticated request's tenant is kept in its ASGI scope
+ADMIN_SCOPE_KEY = "pdserve.admin"  # whether its key is an admin key
 _API_PREFIX = "/v1/"
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
@@ -32,13 +33,13 @@ class RequireApiKey:
             await self._app(scope, receive, send)
             return
         presented = _bearer_token(scope)
-        tenant = self._keys.tenant_of(presented) if presented is not None else None
-        if tenant is None:
+        caller = self._keys.caller_of(presented) if presented is not None else None
+        if caller is None:
             message = "invalid API key" if presented is not None else \
                 "missing API key: send 'Authorization: Bearer <key>'"
             await ApiError(401, message).to_response(headers=_CHALLENGE)(scope, receive, send)
             return
-        scope[TENANT_SCOPE_KEY] = tenant
+        scope[TENANT_SCOPE_KEY], scope[ADMIN_SCOPE_KEY] = caller
         await self._app(scope, receive, send)
 
     def _is_protected(self, path: str) -> bool:
@@ -57,3 +58,9 @@ def _bearer_token(scope: Scope) -> str | None:
 def tenant_of(scope: Scope) -> Tenant | None:
     """The tenant `RequireApiKey` authenticated the request as; None when no keys are configured."""
     return scope.get(TENANT_SCOPE_KEY)
+
+
+def is_admin(scope: Scope) -> bool:
+    """Whether the caller may change what is served: an admin key, or anyone when no keys are
+    configured (`RequireApiKey` then never runs)."""
+    return scope.get(ADMIN_SCOPE_KEY, TENANT_SCOPE_KEY not in scope)

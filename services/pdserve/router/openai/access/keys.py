@@ -3,9 +3,11 @@
 A presented key is compared with every configured key in constant time (SHA-256 digests, so
 also of equal length; every key is compared, matched or not). Keys never appear in a message.
 
-Keys file (`--api-keys-file`): one `<key> <tenant>` pair per line, separated by whitespace;
-blank lines and lines starting with `#` are skipped. Keys given with `--api-key` (or
-`PDSERVE_API_KEY`, comma-separated) belong to the tenant `default`. A key listed twice is an error.
+Keys file (`--api-keys-file`): one `<key> <tenant>` pair per line, separated by whitespace,
+optionally followed by the role `admin`; blank lines and lines starting with `#` are skipped.
+Keys given with `--api-key` (or `PDSERVE_API_KEY`, comma-separated) belong to the tenant
+`default` and are admin keys (the operator's). A key listed twice is an error. Only an admin
+key may change what the server serves (load and unload LoRA adapters) or see adapters' folders.
 """
 import hashlib
 import hmac
@@ -20,8 +22,9 @@ from pdserve.router.openai.access.tenants import DEFAULT_TENANT, Tenant, is_tena
 class ApiKeys:
     """Configured keys and their tenants. Holds only SHA-256 digests of the keys."""
 
-    def __init__(self, tenants_by_key: Mapping[str, Tenant]) -> None:
-        self._entries = [(_digest(key), tenant) for key, tenant in tenants_by_key.items()]
+    def __init__(self, tenants_by_key: Mapping[str, Tenant], admin_keys: Iterable[str] = ()) -> None:
+        admins = frozenset(admin_keys)
+        self._entries = [(_digest(key), tenant, key in admins) for key, tenant in tenants_by_key.items()]
 
     @property
     def num_keys(self) -> int:
@@ -29,16 +32,20 @@ class ApiKeys:
 
     @property
     def tenants(self) -> frozenset[Tenant]:
-        return frozenset(tenant for _, tenant in self._entries)
+        return frozenset(tenant for _, tenant, _ in self._entries)
 
     def tenant_of(self, presented: str) -> Tenant | None:
-        """The tenant whose key `presented` is, or None. Takes the same time whichever key,
-        if any, matches: every configured key is compared, each in constant time."""
+        caller = self.caller_of(presented)
+        return caller[0] if caller is not None else None
+
+    def caller_of(self, presented: str) -> tuple[Tenant, bool] | None:
+        """(tenant, is an admin key) of the key `presented` is, or None. Takes the same time
+        whichever key, if any, matches: every configured key is compared, each in constant time."""
         digest = _digest(presented)
         found = None
-        for key_digest, tenant in self._entries:
+        for key_digest, tenant, is_admin in self._entries:
             if hmac.compare_digest(digest, key_digest):
-                found = tenant
+                found = (tenant, is_admin)
         return found
 
 
@@ -50,12 +57,16 @@ def load_api_keys(keys: Iterable[str], keys_file: str | None) -> ApiKeys:
     """`keys` (tenant `default`) and the keys file's pairs. Raises ConfigError for an unreadable
     or malformed file and for a key given twice, naming the line, never the key."""
     tenants_by_key: dict[str, Tenant] = {}
+    admins = []
     for key in keys:
         _add(tenants_by_key, key, DEFAULT_TENANT, "--api-key")
+        admins.append(key)
     if keys_file is not None:
-        for where, key, tenant in _read_keys_file(keys_file):
+        for where, key, tenant, is_admin in _read_keys_file(keys_file):
             _add(tenants_by_key, key, tenant, where)
-    return ApiKeys(tenants_by_key)
+            if is_admin:
+                admins.append(key)
+    return ApiKeys(tenants_by_key, admins)
 
 
 def _add(tenants_by_key: dict[str, Tenant], key: str, tenant: Tenant, where: str) -> None:
@@ -64,8 +75,8 @@ def _add(tenants_by_key: dict[str, Tenant], key: str, tenant: Tenant, where: str
     tenants_by_key[key] = tenant
 
 
-def _read_keys_file(path: str) -> list[tuple[str, str, Tenant]]:
-    """(where, key, tenant) for each pair in the file, where = "line N of <path>"."""
+def _read_keys_file(path: str) -> list[tuple[str, str, Tenant, bool]]:
+    """(where, key, tenant, is admin) for each line in the file, where = "line N of <path>"."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -76,12 +87,14 @@ def _read_keys_file(path: str) -> list[tuple[str, str, Tenant]]:
         if not fields or fields[0].startswith("#"):
             continue
         where = f"line {number} of {path}"
-        if len(fields) != 2 or not is_api_key_ok(fields[0]):
-            raise ConfigError(where, "<redacted>", "expected '<key> <tenant>', a key of printable ASCII "
+        if len(fields) not in (2, 3) or not is_api_key_ok(fields[0]):
+            raise ConfigError(where, "<redacted>", "expected '<key> <tenant> [admin]', a key of printable ASCII "
                                                    "without commas")
         if not is_tenant_name_ok(fields[1]):
             raise ConfigError(where, fields[1], "a tenant is 1-64 letters, digits, '.', '_' or '-'")
-        pairs.append((where, fields[0], Tenant(fields[1])))
+        if len(fields) == 3 and fields[2] != "admin":
+            raise ConfigError(where, fields[2], "the only role a key may have is 'admin'")
+        pairs.append((where, fields[0], Tenant(fields[1]), len(fields) == 3))
     if not pairs:
         raise ConfigError("--api-keys-file", path, "holds no '<key> <tenant>' line")
     return pairs

@@ -23,7 +23,7 @@ def test_a_key_names_its_tenant_and_anything_else_none() -> None:
 
 
 def test_keys_are_held_as_digests_only() -> None:
-    assert [len(digest) for digest, _ in KEYS._entries] == [32, 32]
+    assert [len(digest) for digest, *_ in KEYS._entries] == [32, 32]
     assert "key-a" not in repr(KEYS._entries)
 
 
@@ -31,6 +31,12 @@ def test_keys_file_and_flag_keys(tmp_path: Path) -> None:
     path = write(tmp_path, "# key tenant\n\nk1 acme\n  k2\tbolt  \nk3 acme\n")
     keys = load_api_keys(["flag-key"], path)
     assert [keys.tenant_of(k) for k in ("k1", "k2", "k3", "flag-key")] == ["acme", "bolt", "acme", DEFAULT_TENANT]
+
+
+def test_admin_keys_are_the_flag_keys_and_those_the_file_marks(tmp_path: Path) -> None:
+    keys = load_api_keys(["flag-key"], write(tmp_path, "k1 acme\nk2 ops admin\n"))
+    assert [keys.caller_of(k) for k in ("k1", "k2", "flag-key", "nope")] == [
+        ("acme", False), ("ops", True), (DEFAULT_TENANT, True), None]
 
 
 @pytest.mark.parametrize("text, where", [

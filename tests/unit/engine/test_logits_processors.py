@@ -173,6 +173,7 @@ def test_a_seeded_penalised_row_draws_the_same_alone_and_in_a_crowd() -> None:
     (SamplingParams(logit_bias=((VOCAB, 1.0),)), "logit_bias"),
     (SamplingParams(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
     (SamplingParams(logit_bias=((1, 101.0),)), "logit_bias"),
+    (SamplingParams(logit_bias=tuple((i, 1.0) for i in range(1025))), "logit_bias"),  # vLLM's bound
     (SamplingParams(bad_words=((),)), "bad_words"),
     (SamplingParams(bad_words=((1, -1),)), "bad_words"),
 ])

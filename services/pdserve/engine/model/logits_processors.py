@@ -32,6 +32,7 @@ from pdserve.common.request import SamplingParams
 
 MAX_PENALTY = 2.0  # presence / frequency, as OpenAI and vLLM bound them
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024  # vLLM's bound: a step rebuilds each row's biases, so a row's count is capped
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,9 @@ def check_processor_params(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"min_tokens={params.min_tokens} must be in 0..max_tokens ({params.max_tokens})",
                                   "min_tokens")
     token_ids = [t for t, _ in params.logit_bias]
+    if len(token_ids) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError(f"logit_bias names {len(token_ids)} tokens; at most {MAX_LOGIT_BIAS_TOKENS}",
+                                  "logit_bias")
     if len(set(token_ids)) != len(token_ids):
         raise InvalidRequestError("logit_bias names a token id twice", "logit_bias")
     for token_id, bias in params.logit_bias:

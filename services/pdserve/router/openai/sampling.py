@@ -29,6 +29,7 @@ from pdserve.router.openai.protocol import (
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024  # vLLM's bound (its sampler refuses more)
 MAX_BAD_WORD_SEQUENCES = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
 MAX_BAD_WORD_TOKENS = 1024  # over all sequences, vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS default
 
@@ -205,6 +206,9 @@ class Encoder(Protocol):
 def logit_bias(body: SamplingBody, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """(token id, clamped bias) pairs sorted by token id; a key written twice keeps its last value."""
     biases: dict[int, float] = {}
+    if len(body.logit_bias or {}) > MAX_LOGIT_BIAS_TOKENS:
+        raise bad_request(f"logit_bias names {len(body.logit_bias or {})} tokens; at most {MAX_LOGIT_BIAS_TOKENS}",
+                          "logit_bias")
     for key, bias in (body.logit_bias or {}).items():
         try:
             token_id = int(key)

@@ -57,6 +57,8 @@ def test_logits_processor_fields_map_as_vllm_reads_them() -> None:
      "logit_bias"),
     ({"logit_bias": {"-1": 1.0}}, 4, "logit_bias names token id -1, outside the vocabulary [0, 100)", "logit_bias"),
     ({"logit_bias": {"the": 1.0}}, 4, "logit_bias key 'the' is not a token id", "logit_bias"),
+    ({"logit_bias": {str(i % 100): 1.0 for i in range(1025)} | {f"+{i}": 1.0 for i in range(1025)}}, 4,
+     "logit_bias names 1125 tokens; at most 1024", "logit_bias"),  # vLLM's bound, counted as sent
     ({"min_tokens": 5}, 4, "min_tokens (5) must be less than or equal to max_tokens (4)", "min_tokens"),
 ])
 def test_bad_logits_processor_values_are_refused(fields: dict[str, object], max_tokens: int, message: str,

@@ -138,7 +138,7 @@ def test_out_of_range_block_lists_are_refused_and_write_nothing(prefill_stub, de
     assert int(torch.count_nonzero(decode_peer.kv)) == 0
 
 
-@pytest.mark.parametrize("timeout_s", [0.0, -1.0, -0.0, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, -0.0, math.nan, math.inf, -math.inf, 601.0, 1e300])
 def test_nonsense_timeouts_are_refused(prefill_stub, decode_peer: DecodePeer, timeout_s: float) -> None:
     message = order(f"timeout-{timeout_s}", 2 * decode_peer.tokens_per_block, [1], timeout_s=timeout_s)
     answered, details = call_prefill(prefill_stub, message)

@@ -179,6 +179,8 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         check_positive(self, "kv_transfer_timeout_s", "max_waiting_requests", "engine_step_timeout_s")
+        check(self.kv_transfer_timeout_s <= 600, "kv_transfer_timeout_s", self.kv_transfer_timeout_s,
+              "must be at most 600 seconds (the longest a prefill worker holds blocks for a peer)")
         check_positive(self, "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                         "kv_cache_memory", "max_kv_tokens", "num_threads", "drain_timeout_s", "max_loras",
                         "max_lora_rank")

@@ -61,9 +61,13 @@ def _check_priority(field_name: str, value: int) -> None:
         raise InvalidRequestError(f"{field_name}={value!r}: retention priority must be an integer in 0..100", field_name)
 
 
+MAX_DURATION_S = 30 * 24 * 3600.0  # a retention priority's longest duration: 30 days
+
+
 def _check_duration(field_name: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise InvalidRequestError(f"{field_name}={value!r}: duration must be > 0 seconds", field_name)
+    if value is not None and not 0 < value <= MAX_DURATION_S:
+        raise InvalidRequestError(f"{field_name}={value!r}: duration must be more than 0 and at most "
+                                  f"{MAX_DURATION_S:g} seconds", field_name)
 
 
 def _check_ranges(ranges: tuple[PriorityRange, ...]) -> None:

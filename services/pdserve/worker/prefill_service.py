@@ -35,6 +35,7 @@ from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.kv.write_grants import is_granted
 
 log = logging.getLogger(__name__)
+MAX_ORDER_TIMEOUT_S = 600.0  # the longest a prefill worker holds blocks for a peer
 
 
 class PrefillService:
@@ -79,9 +80,9 @@ class PrefillService:
         return result
 
     async def _prefill(self, order: PrefillOrder) -> PrefillResult:
-        if not (math.isfinite(order.timeout_s) and order.timeout_s > 0):  # it is the hold's lease too
-            raise InvalidRequestError(f"timeout_s={order.timeout_s!r}: must be a positive, finite number of seconds",
-                                      "timeout_s")
+        if not (math.isfinite(order.timeout_s) and 0 < order.timeout_s <= MAX_ORDER_TIMEOUT_S):  # the hold's lease too
+            raise InvalidRequestError(f"timeout_s={order.timeout_s!r}: must be more than 0 and at most "
+                                      f"{MAX_ORDER_TIMEOUT_S:g} seconds", "timeout_s")
         deadline = time.monotonic() + order.timeout_s
         if not self._transport.has_peer(order.decode_worker_id):
             raise UnknownPeerError(f"no KV handshake with decode worker {order.decode_worker_id!r}: handshake again")

@@ -55,6 +55,8 @@ def _state(m):
     ({"priorities": [(0, 6, 50), (4, 8, 60)]}, r"priority ranges \[0, 6\) and \[4, 8\) overlap"),
     ({"priorities": [(4, 4, 50)]}, r"priority range \[4, 4\) is empty"),
     ({"priorities": [(0, 4, 50, 0.0)]}, r"priority.duration=0.0"),
+    ({"priorities": [(0, 4, 50, float("inf"))]}, r"priority.duration=inf: duration must be more than 0 and at most"),
+    ({"decode_duration_s": 1e12}, r"decode_duration_s=1000000000000.0"),
     ({"decode_priority": 200}, r"decode_priority=200"),
 ])
 def test_bad_priorities_are_rejected_without_state_change(bad, match):

@@ -64,7 +64,7 @@ class PriorityRangeBody(StrictModel):
     start: int = Field(0, ge=0)
     end: int | None = Field(None, gt=0)
     priority: Priority
-    duration_s: float | None = Field(None, gt=0)
+    duration_s: float | None = Field(None, gt=0, le=30 * 24 * 3600)  # 30 days; kvcache's MAX_DURATION_S
 
     @model_validator(mode="after")
     def _end_after_start(self) -> "PriorityRangeBody":

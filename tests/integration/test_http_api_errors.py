@@ -204,3 +204,21 @@ def test_unprintable_or_huge_request_id_is_refused(http: httpx.Client) -> None:
     assert (response.status_code, response.json()) == (400, bad(
         "X-Request-Id must be at most 256 printable characters", "X-Request-Id"))
     assert response.headers["x-request-id"].startswith("cmpl-")
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data"])
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 1}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'),
+    ("/tokenize", '{"prompt": "hi"}'),
+], ids=["completions", "chat", "tokenize"])
+def test_a_body_that_is_not_said_to_be_json_is_415(http: httpx.Client, path: str, body: str,
+                                                    content_type: str) -> None:
+    """What a web page may post cross-site without the browser asking first is refused, unread."""
+    response = http.post(path, content=body, headers={"content-type": content_type})
+    assert response.json() == envelope(
+        415, "UnsupportedMediaType",
+        f"Content-Type {content_type!r} is not accepted: send the body as application/json", None)
+    for fine in ("application/json; charset=utf-8", None):  # as FastAPI, a body of no stated type is read
+        headers = {"content-type": fine} if fine else {}
+        assert http.post(path, content=body, headers=headers).status_code == 200

@@ -1,8 +1,11 @@
 """Reading a request body within a size bound and validating it into a request model.
 
 FastAPI's body parsing is bypassed on purpose: it answers 422 and reads unbounded bodies.
-Here every failure is an `ApiError` (413 for size, 400 otherwise) whose `param` names the
-offending field the way a client wrote it (`messages[0].content`).
+Here every failure is an `ApiError` (413 for size, 415 for a body that does not say it is JSON,
+400 otherwise) whose `param` names the offending field the way a client wrote it
+(`messages[0].content`). A body must come as `Content-Type: application/json` (or with no type,
+as FastAPI also takes): a web page can post a form or plain text to a local server without the
+browser asking it first, but not JSON.
 """
 from typing import TypeVar
 
@@ -39,7 +42,11 @@ _FIELD_NAMES = frozenset(field.alias or name for model in _MODELS for name, fiel
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The raw body; 413 as soon as the declared or received size exceeds `max_bytes`."""
+    """The raw body; 415 unless it says it is JSON, 413 as soon as the declared or received size
+    exceeds `max_bytes`."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise ApiError(415, f"Content-Type {media_type!r} is not accepted: send the body as application/json")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)

@@ -18,7 +18,6 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -33,6 +32,7 @@ from pdserve.common.tls import INSECURE_WARNING, TlsConfig
 from pdserve.rpc.probe import is_worker_serving
 from pdserve.serve.certs import with_serve_certs
 from pdserve.serve.restarts import WorkerRestarts
+from pdserve.serve.scratch import scratch_folder
 from pdserve.serve.supervisor import ChildFailedError, ChildSpec, RestartPolicy, StopRequested, Supervisor
 
 PROBE_TIMEOUT_S = 1.0
@@ -162,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     roles = ", ".join(str(worker.role) for worker in settings.workers)
     print(f"pdserve serve: starting workers ({roles}), then the router; model loading takes a while",
           flush=True)
-    with tempfile.TemporaryDirectory(prefix="pdserve-serve-") as folder:  # owner-only; removed at exit
-        settings = with_core_share(settings, Path(folder))
+    with scratch_folder() as folder:  # owner-only; removed at exit, or by the next start after a SIGKILL
+        settings = with_core_share(settings, folder)
         if settings.router.insecure_internal:
             print(f"pdserve serve: {INSECURE_WARNING}", file=sys.stderr, flush=True)
         else:
-            settings = with_serve_certs(settings, Path(folder))
+            settings = with_serve_certs(settings, folder)
         return run(child_stages(settings), ready_banner(settings, metrics_port), supervisor)
 
 

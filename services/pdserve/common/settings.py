@@ -257,6 +257,12 @@ class RouterSettings:
                                         help="wait for a request's first output, queueing included")
     output_timeout_s: float = opt(120.0, parse=cv.parse_float, flag="output-timeout",
                                   help="longest wait between two outputs of one request (seconds)")
+    body_read_timeout_s: float = opt(30.0, parse=cv.parse_float, flag="body-read-timeout",
+                                     help="a generation request's body must be in within this (seconds; 408 "
+                                          "otherwise); no admission slot is taken before it is")
+    send_timeout_s: float = opt(60.0, parse=cv.parse_float, flag="send-timeout",
+                                help="a client must take each write of its answer within this (seconds), else it "
+                                     "is cut off and its request aborted")
     sse_keepalive_interval_s: float = opt(0.0, parse=cv.parse_float, flag="sse-keepalive-interval",
                                           help="a stream with no event for this long (a queued request, a long "
                                                "prefill) gets an SSE comment, so idle-timeout proxies keep it open "
@@ -335,7 +341,8 @@ class RouterSettings:
               "must be >= 0")
         check_positive(self, "rpc_timeout_s", "generate_timeout_s", "worker_wait_timeout_s",
                        "first_output_timeout_s", "output_timeout_s", "session_ttl_s", "worker_poll_interval_s",
-                       "worker_failure_threshold", "max_pending_requests", "worker_dns_interval_s")
+                       "worker_failure_threshold", "max_pending_requests", "worker_dns_interval_s",
+                       "body_read_timeout_s", "send_timeout_s")
         check(len(set(self.workers)) == len(self.workers), "workers", ",".join(self.workers),
               "names a worker twice")
         check(self.migration_limit >= 0, "migration_limit", self.migration_limit, "must be >= 0")

@@ -87,7 +87,8 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
     backend = RoutedBackend(cluster, planner, info, settings.session_header, migration)
     limits = ApiLimits(first_output_timeout_s=settings.first_output_timeout_s, output_timeout_s=settings.output_timeout_s,
                        max_pending_requests=settings.max_pending_requests,
-                       keepalive_interval_s=settings.sse_keepalive_interval_s or None)
+                       keepalive_interval_s=settings.sse_keepalive_interval_s or None,
+                       body_timeout_s=settings.body_read_timeout_s, send_timeout_s=settings.send_timeout_s)
     app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend,
                      api_keys=api_keys, protect_metrics=settings.protect_metrics, sampling_defaults=sampling_defaults,
                      tool_calls=ToolCallConfig(settings.enable_auto_tool_choice, settings.tool_call_parser),

@@ -102,7 +102,8 @@ def create_app(
                   openapi_url="/openapi.json")
     install_error_handlers(app)
     app.add_middleware(PendingLimit, max_pending=limits.max_pending_requests, paths=_GENERATION_ROUTES,
-                       in_progress=ctx.metrics.in_progress)
+                       in_progress=ctx.metrics.in_progress, max_body_bytes=limits.max_body_bytes,
+                       body_timeout_s=limits.body_timeout_s, send_timeout_s=limits.send_timeout_s)
     if api_keys is not None:  # outside the pending limit: a refused caller never takes a slot
         also = _TOKENIZER_ROUTES | ({"/metrics"} if protect_metrics else set())
         app.add_middleware(RequireApiKey, keys=api_keys, also=also)

@@ -39,6 +39,8 @@ class ApiLimits:
     output_timeout_s: float = 120.0  # between two outputs of one prompt
     keepalive_interval_s: float | None = None  # an SSE comment after this long without an event (None: never)
     max_choices: int = 256  # prompts × n
+    body_timeout_s: float = 30.0  # a generation request's whole body, from its headers (then 408)
+    send_timeout_s: float = 60.0  # each write of an answer, until the client takes it (then cut off)
 
 
 @dataclass(frozen=True, slots=True)

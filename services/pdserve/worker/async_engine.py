@@ -147,6 +147,7 @@ class ThreadedEngine:
                        prefill_only: bool = False, hold_lease_s: float = 30.0) -> AsyncIterator[RequestOutput]:
         """Admit and stream the request. `prefill_worker` is ignored here (aggregated serving);
         `prefill_only` stops after the first token and holds the blocks (see LLMEngine)."""
+        await self.prepare_guide(request)
         loop = asyncio.get_running_loop()
         stream = Stream(loop, asyncio.Queue(), request.sampling.n)
         admitted = loop.create_future()
@@ -161,12 +162,20 @@ class ThreadedEngine:
         `remote_possible` and at least `min_remote_tokens` of the prompt are not cached here
         and blocks are free; else the request is queued for a local prefill. The queue gets
         the request's outputs either way (read it with `outputs`)."""
+        await self.prepare_guide(request)
         loop = asyncio.get_running_loop()
         stream = Stream(loop, asyncio.Queue(), request.sampling.n)
         verdict = loop.create_future()
         self._send(AdmitForDecode(request, stream, verdict, remote_possible, min_remote_tokens, lease_s,
                                    time.monotonic()))
         return await self._until_admitted(request.request_id, verdict), stream.outputs
+
+    async def prepare_guide(self, request: GenerationRequest) -> None:
+        """Compile the request's guide on a thread of its own, before the engine thread admits
+        it (which then finds it compiled): a new schema does not hold up every step."""
+        if request.sampling.guide is not None:
+            guide, engine = request.sampling.guide, self._engine
+            await asyncio.to_thread(lambda: engine.guide_compiler().prepare(guide))  # the first builds the compiler
 
     async def outputs(self, request: GenerationRequest, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """The admitted request's outputs until each completion has finished; a consumer that

@@ -1,6 +1,7 @@
 """Guided sampling over random logits with the bundled model's real tokenizer: whatever the
 logits, every finished output is in the guide's language."""
 import json
+import threading
 import re
 
 import jsonschema
@@ -107,3 +108,26 @@ def test_a_vanishing_top_p_still_keeps_the_guide_s_only_token(compiler, smollm_t
     logits = torch.randn(1, smollm_tokenizer.vocab_size)
     (token,) = Sampler(seed=0).sample(logits, [SamplingRow(SamplingParams(top_p=5e-324), None, guide)])
     assert token.token_id in smollm_tokenizer.eos_token_ids
+
+
+def test_a_guide_prepared_on_another_thread_is_not_compiled_again_where_it_is_used(compiler, monkeypatch) -> None:
+    """The worker compiles a request's guide off the engine thread (`prepare`); the engine thread's
+    `matcher` then only copies it. A guide that does not compile is refused by `prepare`."""
+    from pdserve.engine.model import guided
+
+    built: list[str] = []
+    real = guided.LLMatcher
+
+    def counting(*args, **kwargs):
+        built.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(guided, "LLMatcher", counting)
+    guide = json_schema_guide({**SCHEMA, "title": "prepared off the engine thread"})
+    preparer = threading.Thread(target=compiler.prepare, args=(guide,), name="preparer")
+    preparer.start()
+    preparer.join()
+    first, second = compiler.matcher(guide), compiler.matcher(guide)
+    assert built == ["preparer"] and first is not second
+    with pytest.raises(InvalidRequestError, match="invalid guide"):
+        compiler.prepare(Guide(GuideKind.REGEX, "(unclosed"))

@@ -73,7 +73,7 @@ def _run(family, body):
 
     async def main():
         p, d = _threaded(checkpoint), _threaded(checkpoint)
-        p_loras, d_loras = LoraRegistry(p), LoraRegistry(d)
+        p_loras, d_loras = LoraRegistry(p, (str(checkpoint),)), LoraRegistry(d, (str(checkpoint),))
         fabric = FakeFabric()
         tp = FakeTransport(WorkerId("p"), p.engine.runner.kv_tensor,
                            KvLayoutSpec.for_tensor("tiny", p.engine.runner.kv_tensor), fabric)

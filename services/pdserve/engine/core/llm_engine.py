@@ -8,6 +8,7 @@ host tier, the block copies the manager queues (offloads on eviction, onboards o
 are made after every claim and before anything reads or writes those blocks.
 """
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -60,6 +61,7 @@ class LLMEngine:
         self._clock = clock
         self.handoffs = Handoffs(kv, lambda: self._clock())  # sequences waiting on a KV transfer, with leases
         self._guides: GuideCompiler | None = None  # built from the tokenizer on the first guided request
+        self._guides_lock = threading.Lock()
         self._step_stats = StepStats()
         self._unloading_loras: set[int] = set()  # adapters refused to new requests, dropped once unused
 
@@ -311,11 +313,14 @@ class LLMEngine:
         """A fresh grammar state for one of `request`'s sequences; InvalidRequestError for a
         guide that does not compile (raised before the request is admitted)."""
         guide = request.sampling.guide
-        if guide is None:
-            return None
-        if self._guides is None:
-            self._guides = GuideCompiler(self.tokenizer.to_json(), self.vocab_size, self.tokenizer.eos_token_ids)
-        return self._guides.matcher(guide)
+        return None if guide is None else self.guide_compiler().matcher(guide)
+
+    def guide_compiler(self) -> GuideCompiler:
+        """The worker's guide compiler, built at its first use (from any thread)."""
+        with self._guides_lock:
+            if self._guides is None:
+                self._guides = GuideCompiler(self.tokenizer.to_json(), self.vocab_size, self.tokenizer.eos_token_ids)
+            return self._guides
 
     def _detokenizer(self, request: GenerationRequest) -> IncrementalDetokenizer:
         sampling = request.sampling

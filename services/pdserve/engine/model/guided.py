@@ -3,10 +3,14 @@ bitmask those matchers put on a step's logits rows, batched.
 
 `GuideCompiler` is built once per worker from its tokenizer (llguidance's token trie, about
 0.3 s for a 50k vocabulary) and compiles each distinct guide once: a pristine matcher per
-guide is kept (LRU) and every sequence gets a deep copy, which is cheap. A `GuideMatcher`
+guide is kept (LRU) and every sequence gets a deep copy, which is cheap. A worker compiles a
+request's guide on a thread of its own before the request reaches the engine thread
+(`prepare`), so a stream of distinct schemas does not stall every step; the engine thread then
+finds it compiled. A `GuideMatcher`
 advances with each token the sequence accepts (sampled here, or sampled by a prefill worker
 and handed over), so its state always matches the sequence's output tokens.
 """
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -58,20 +62,30 @@ class GuideCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._compiled: OrderedDict[Guide, LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the cache only: compiles run outside it, on any thread
 
     def matcher(self, guide: Guide) -> GuideMatcher:
         """A fresh matcher at the start of `guide`; InvalidRequestError if it does not compile."""
-        pristine = self._compiled.get(guide)
-        if pristine is None:
-            pristine = LLMatcher(self._tokenizer, grammar_of(guide), log_level=0)
-            if pristine.is_error():
-                raise InvalidRequestError(f"invalid guide: {pristine.get_error()}", "guide")
+        return GuideMatcher(self._pristine(guide).deep_copy())
+
+    def prepare(self, guide: Guide) -> None:
+        """Compile `guide` now (on the caller's thread) and keep it; InvalidRequestError if it does not compile."""
+        self._pristine(guide)
+
+    def _pristine(self, guide: Guide) -> LLMatcher:
+        with self._lock:
+            pristine = self._compiled.get(guide)
+            if pristine is not None:
+                self._compiled.move_to_end(guide)
+                return pristine
+        pristine = LLMatcher(self._tokenizer, grammar_of(guide), log_level=0)
+        if pristine.is_error():
+            raise InvalidRequestError(f"invalid guide: {pristine.get_error()}", "guide")
+        with self._lock:
             self._compiled[guide] = pristine
             if len(self._compiled) > MAX_CACHED_GUIDES:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(guide)
-        return GuideMatcher(pristine.deep_copy())
+        return pristine
 
 
 class GuideMasks:

@@ -162,3 +162,15 @@ def serve(app: object) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10.0)
+
+
+@contextmanager
+def word_server(cache_root: Path, **app_options: object) -> Iterator[tuple[str, WordBackend]]:
+    """A real uvicorn serving the default model's tokenizer over a fresh `WordBackend`, the app
+    built with `app_options` (`create_app`'s); yields (base URL, backend)."""
+    from pdserve.router.openai.app import create_app
+
+    tokenizer = load_test_tokenizer(cache_root)
+    backend = WordBackend(tokenizer)
+    with serve(create_app(backend, tokenizer, model_info(tokenizer), **app_options)) as url:
+        yield url, backend

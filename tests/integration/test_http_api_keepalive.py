@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from http_fakes import MODEL_NAME, WordBackend, load_test_tokenizer, model_info, serve
+from http_fakes import MODEL_NAME, WordBackend, load_test_tokenizer, model_info, serve, word_server
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.settings import RouterSettings
 from pdserve.router.openai.app import create_app
@@ -45,11 +45,9 @@ def stream_frames(url: str, body: dict[str, object]) -> tuple[int, list[bytes]]:
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, WordBackend]]:
     """A server with the keep-alive interval left at its default."""
-    tokenizer = load_test_tokenizer(tmp_path_factory.getbasetemp())
-    backend = WordBackend(tokenizer)
     limits = ApiLimits(first_output_timeout_s=10.0, output_timeout_s=30.0)
-    with serve(create_app(backend, tokenizer, model_info(tokenizer), limits=limits)) as url:
-        yield url, backend
+    with word_server(tmp_path_factory.getbasetemp(), limits=limits) as served:
+        yield served
 
 
 class ChunkStrippingParser:

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from http_fakes import MODEL_NAME, WordBackend, load_test_tokenizer, model_info, serve
-from pdserve.router.openai.app import create_app
+from http_fakes import MODEL_NAME, WordBackend, word_server
 
 pytestmark = pytest.mark.integration
 LARGE_TEXT = "The old lighthouse keeper climbed the stairs every night. " * (2 * 2**20 // 58)  # ~2 MiB
@@ -17,10 +16,8 @@ LARGE_TEXT = "The old lighthouse keeper climbed the stairs every night. " * (2 *
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, WordBackend]]:
-    tokenizer = load_test_tokenizer(tmp_path_factory.getbasetemp())
-    backend = WordBackend(tokenizer)
-    with serve(create_app(backend, tokenizer, model_info(tokenizer))) as url:
-        yield url, backend
+    with word_server(tmp_path_factory.getbasetemp()) as served:
+        yield served
 
 
 def stream_arrivals(url: str, arrivals: list[float], started: threading.Event) -> None:

@@ -13,9 +13,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from http_fakes import MODEL_NAME, WordBackend, load_test_tokenizer, model_info, serve
+from http_fakes import MODEL_NAME, word_server
 from pdserve.router.openai.admission import PendingLimit
-from pdserve.router.openai.app import create_app
 from pdserve.router.openai.serving import ApiLimits
 
 pytestmark = pytest.mark.integration
@@ -25,8 +24,7 @@ LIMITS = ApiLimits(max_pending_requests=1024, body_timeout_s=3.0, max_body_bytes
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tokenizer = load_test_tokenizer(tmp_path_factory.getbasetemp())
-    with serve(create_app(WordBackend(tokenizer), tokenizer, model_info(tokenizer), limits=LIMITS)) as base:
+    with word_server(tmp_path_factory.getbasetemp(), limits=LIMITS) as (base, _):
         yield base
 
 

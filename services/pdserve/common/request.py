@@ -61,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     include_stop_str_in_output: bool = False
     guide: Guide | None = None  # structured output (JSON schema, regex, choice, tool calls)
+    guide_done_tokens: int = 0  # the prompt's last N tokens were generated under `guide` (a migrated request's)
     # ---- prompt logprobs and detokenization (vLLM's semantics) ----
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (the prompt is then computed, not reused)
     skip_special_tokens: bool = True  # leave special tokens out of the text

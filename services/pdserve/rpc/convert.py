@@ -77,7 +77,7 @@ def sampling_to_proto(params: SamplingParams) -> rpb.SamplingParams:
         top_k=params.top_k, seed=params.seed, stop=params.stop,
         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, n=params.n,
         logprobs=params.logprobs, include_stop_str_in_output=params.include_stop_str_in_output,
-        **_guide_to_proto(params.guide),
+        **_guide_to_proto(params.guide), **_guide_done_tokens(params),
         prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         **_processors_to_proto(params),
@@ -102,6 +102,10 @@ def _guide_to_proto(guide: Guide | None) -> dict[str, object]:
     return {"guide_kind": _GUIDE_TO_PROTO[guide.kind], "guide": guide.text}
 
 
+def _guide_done_tokens(params: SamplingParams) -> dict[str, object]:
+    return {"guide_done_tokens": params.guide_done_tokens} if params.guide is not None else {}
+
+
 def _guide_from_proto(msg: rpb.SamplingParams) -> Guide | None:
     if msg.guide_kind == rpb.GUIDE_KIND_UNSPECIFIED:
         return None
@@ -117,6 +121,7 @@ def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, n=msg.n,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         include_stop_str_in_output=msg.include_stop_str_in_output, guide=_guide_from_proto(msg),
+        guide_done_tokens=msg.guide_done_tokens if msg.guide_kind != rpb.GUIDE_KIND_UNSPECIFIED else 0,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         skip_special_tokens=not msg.HasField("skip_special_tokens") or msg.skip_special_tokens,
         spaces_between_special_tokens=(not msg.HasField("spaces_between_special_tokens")

@@ -131,3 +131,35 @@ def test_a_guide_prepared_on_another_thread_is_not_compiled_again_where_it_is_us
     assert built == ["preparer"] and first is not second
     with pytest.raises(InvalidRequestError, match="invalid guide"):
         compiler.prepare(Guide(GuideKind.REGEX, "(unclosed"))
+
+
+class _EngineStandIn:
+    """What `LLMEngine._guide_matcher` reads of its engine: the guide compiler."""
+
+    def __init__(self, compiler: GuideCompiler) -> None:
+        self.compiler = compiler
+
+    def guide_compiler(self) -> GuideCompiler:
+        return self.compiler
+
+
+def test_a_migrated_request_resumes_its_guide_where_its_output_stands(compiler, smollm_tokenizer) -> None:
+    from pdserve.common.ids import RequestId
+    from pdserve.common.request import GenerationRequest
+    from pdserve.engine.core.llm_engine import LLMEngine
+
+    guide = Guide(GuideKind.REGEX, "(abc)+x")
+    done = smollm_tokenizer.encode("abcabc", add_special_tokens=False)
+    prompt = tuple(smollm_tokenizer.encode("Say it:", add_special_tokens=False))
+
+    def matcher(output_so_far: list[int]):
+        params = SamplingParams(max_tokens=4, guide=guide, guide_done_tokens=len(output_so_far))
+        request = GenerationRequest(RequestId("r-migrated-0"), prompt + tuple(output_so_far), params)
+        return LLMEngine._guide_matcher(_EngineStandIn(compiler), request)
+
+    resumed, fresh = matcher(done), compiler.matcher(guide)
+    x = smollm_tokenizer.encode("x", add_special_tokens=False)[0]
+    assert resumed.advance(x) is None and resumed.is_finished  # "abcabc" then "x": the whole guide
+    assert fresh.advance(x) is not None  # from the start, "x" is refused: the prefix mattered
+    with pytest.raises(InvalidRequestError, match="do not follow the guide"):
+        matcher(smollm_tokenizer.encode("zzz", add_special_tokens=False))

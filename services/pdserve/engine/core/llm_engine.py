@@ -312,8 +312,18 @@ class LLMEngine:
     def _guide_matcher(self, request: GenerationRequest) -> GuideMatcher | None:
         """A fresh grammar state for one of `request`'s sequences; InvalidRequestError for a
         guide that does not compile (raised before the request is admitted)."""
-        guide = request.sampling.guide
-        return None if guide is None else self.guide_compiler().matcher(guide)
+        guide, done = request.sampling.guide, request.sampling.guide_done_tokens
+        if guide is None:
+            return None
+        matcher = self.guide_compiler().matcher(guide)
+        if not 0 <= done <= len(request.prompt_token_ids):
+            raise InvalidRequestError(f"guide_done_tokens={done} is outside the prompt's {len(request.prompt_token_ids)} "
+                                      "tokens", "guide_done_tokens")
+        for token_id in request.prompt_token_ids[len(request.prompt_token_ids) - done:]:  # a migrated request's output
+            refusal = matcher.advance(token_id)
+            if refusal is not None:
+                raise InvalidRequestError(f"the tokens already generated do not follow the guide: {refusal}", "guide")
+        return matcher
 
     def guide_compiler(self) -> GuideCompiler:
         """The worker's guide compiler, built at its first use (from any thread)."""

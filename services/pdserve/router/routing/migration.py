@@ -63,8 +63,13 @@ def can_migrate(request: GenerationRequest, progress: Progress, policy: Migratio
 
 
 def continuation(request: GenerationRequest, progress: Progress) -> GenerationRequest:
-    """The request that generates what `request` still owes after `progress`, under a new id."""
-    sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(progress.token_ids))
+    """The request that generates what `request` still owes after `progress`, under a new id:
+    fewer tokens to go, at least and at most, and a guide that resumes where the output stands."""
+    done = len(progress.token_ids)
+    sampling = request.sampling
+    sampling = dataclasses.replace(
+        sampling, max_tokens=sampling.max_tokens - done, min_tokens=max(0, sampling.min_tokens - done),
+        guide_done_tokens=sampling.guide_done_tokens + done if sampling.guide is not None else 0)
     return dataclasses.replace(
         request,
         request_id=RequestId(f"{request.request_id}-migrated-{progress.num_migrations}"),

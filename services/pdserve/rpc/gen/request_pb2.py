@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/request.proto\x12\npdserve.v1\"e\n\rPriorityRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\x17\n\nduration_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_duration_s\"F\n\x0eMultimodalSpan\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"\xbd\x06\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x14 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x15 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x01H\x02\x88\x01\x01\x12\x38\n\nlogit_bias\x18\x17 \x03(\x0b\x32$.pdserve.v1.SamplingParams.TokenBias\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x12;\n\tbad_words\x18\x19 \x03(\x0b\x32(.pdserve.v1.SamplingParams.TokenSequence\x12\x1c\n\x0fprompt_logprobs\x18\x1e \x01(\rH\x03\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x1f \x01(\x08H\x04\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18  \x01(\x08H\x05\x88\x01\x01\x12)\n\nguide_kind\x18# \x01(\x0e\x32\x15.pdserve.v1.GuideKind\x12\r\n\x05guide\x18$ \x01(\t\x1a+\n\tTokenBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\x1a\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xf4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12-\n\npriorities\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.PriorityRange\x12.\n\nmultimodal\x18\x07 \x03(\x0b\x32\x1a.pdserve.v1.MultimodalSpan\x12\x1a\n\routput_stream\x18\x08 \x01(\tH\x02\x88\x01\x01\x12\x1b\n\x0eprefill_worker\x18\x10 \x01(\tH\x03\x88\x01\x01\x42\r\n\x0b_cache_saltB\n\n\x08_lora_idB\x10\n\x0e_output_streamB\x11\n\x0f_prefill_worker\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xf7\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x12\n\x05\x65rror\x18\t \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x65rror_param\x18\x0b \x01(\tH\x01\x88\x01\x01\x12\x14\n\x0cprefilled_by\x18\n \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x08\n\x06_errorB\x0e\n\x0c_error_param*n\n\tGuideKind\x12\x1a\n\x16GUIDE_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16GUIDE_KIND_JSON_SCHEMA\x10\x01\x12\x14\n\x10GUIDE_KIND_REGEX\x10\x02\x12\x13\n\x0fGUIDE_KIND_LARK\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/request.proto\x12\npdserve.v1\"e\n\rPriorityRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\x17\n\nduration_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_duration_s\"F\n\x0eMultimodalSpan\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"\xd8\x06\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x14 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x15 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x01H\x02\x88\x01\x01\x12\x38\n\nlogit_bias\x18\x17 \x03(\x0b\x32$.pdserve.v1.SamplingParams.TokenBias\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x12;\n\tbad_words\x18\x19 \x03(\x0b\x32(.pdserve.v1.SamplingParams.TokenSequence\x12\x1c\n\x0fprompt_logprobs\x18\x1e \x01(\rH\x03\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x1f \x01(\x08H\x04\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18  \x01(\x08H\x05\x88\x01\x01\x12)\n\nguide_kind\x18# \x01(\x0e\x32\x15.pdserve.v1.GuideKind\x12\r\n\x05guide\x18$ \x01(\t\x12\x19\n\x11guide_done_tokens\x18% \x01(\r\x1a+\n\tTokenBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\x1a\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xf4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12-\n\npriorities\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.PriorityRange\x12.\n\nmultimodal\x18\x07 \x03(\x0b\x32\x1a.pdserve.v1.MultimodalSpan\x12\x1a\n\routput_stream\x18\x08 \x01(\tH\x02\x88\x01\x01\x12\x1b\n\x0eprefill_worker\x18\x10 \x01(\tH\x03\x88\x01\x01\x42\r\n\x0b_cache_saltB\n\n\x08_lora_idB\x10\n\x0e_output_streamB\x11\n\x0f_prefill_worker\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xf7\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x12\n\x05\x65rror\x18\t \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x65rror_param\x18\x0b \x01(\tH\x01\x88\x01\x01\x12\x14\n\x0cprefilled_by\x18\n \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x08\n\x06_errorB\x0e\n\x0c_error_param*n\n\tGuideKind\x12\x1a\n\x16GUIDE_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16GUIDE_KIND_JSON_SCHEMA\x10\x01\x12\x14\n\x10GUIDE_KIND_REGEX\x10\x02\x12\x13\n\x0fGUIDE_KIND_LARK\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.request_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GUIDEKIND']._serialized_start=1937
-  _globals['_GUIDEKIND']._serialized_end=2047
-  _globals['_FINISHREASON']._serialized_start=2050
-  _globals['_FINISHREASON']._serialized_end=2195
+  _globals['_GUIDEKIND']._serialized_start=1964
+  _globals['_GUIDEKIND']._serialized_end=2074
+  _globals['_FINISHREASON']._serialized_start=2077
+  _globals['_FINISHREASON']._serialized_end=2222
   _globals['_PRIORITYRANGE']._serialized_start=40
   _globals['_PRIORITYRANGE']._serialized_end=141
   _globals['_MULTIMODALSPAN']._serialized_start=143
   _globals['_MULTIMODALSPAN']._serialized_end=213
   _globals['_SAMPLINGPARAMS']._serialized_start=216
-  _globals['_SAMPLINGPARAMS']._serialized_end=1045
-  _globals['_SAMPLINGPARAMS_TOKENBIAS']._serialized_start=843
-  _globals['_SAMPLINGPARAMS_TOKENBIAS']._serialized_end=886
-  _globals['_SAMPLINGPARAMS_TOKENSEQUENCE']._serialized_start=888
-  _globals['_SAMPLINGPARAMS_TOKENSEQUENCE']._serialized_end=922
-  _globals['_GENERATEREQUEST']._serialized_start=1048
-  _globals['_GENERATEREQUEST']._serialized_end=1420
-  _globals['_TOPLOGPROB']._serialized_start=1422
-  _globals['_TOPLOGPROB']._serialized_end=1469
-  _globals['_TOKENLOGPROB']._serialized_start=1471
-  _globals['_TOKENLOGPROB']._serialized_end=1557
-  _globals['_REQUESTOUTPUT']._serialized_start=1560
-  _globals['_REQUESTOUTPUT']._serialized_end=1935
+  _globals['_SAMPLINGPARAMS']._serialized_end=1072
+  _globals['_SAMPLINGPARAMS_TOKENBIAS']._serialized_start=870
+  _globals['_SAMPLINGPARAMS_TOKENBIAS']._serialized_end=913
+  _globals['_SAMPLINGPARAMS_TOKENSEQUENCE']._serialized_start=915
+  _globals['_SAMPLINGPARAMS_TOKENSEQUENCE']._serialized_end=949
+  _globals['_GENERATEREQUEST']._serialized_start=1075
+  _globals['_GENERATEREQUEST']._serialized_end=1447
+  _globals['_TOPLOGPROB']._serialized_start=1449
+  _globals['_TOPLOGPROB']._serialized_end=1496
+  _globals['_TOKENLOGPROB']._serialized_start=1498
+  _globals['_TOKENLOGPROB']._serialized_end=1584
+  _globals['_REQUESTOUTPUT']._serialized_start=1587
+  _globals['_REQUESTOUTPUT']._serialized_end=1962
 # @@protoc_insertion_point(module_scope)

@@ -1,13 +1,14 @@
 """Request migration: a decode worker that dies mid-stream hands its request to another, which
 continues from the tokens already streamed; the client sees one uninterrupted answer."""
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
 from pdserve.common.errors import WorkerUnavailableError
 from pdserve.common.ids import RequestId
-from pdserve.common.request import GenerationRequest, RequestOutput, SamplingParams
+from pdserve.common.request import GenerationRequest, Guide, GuideKind, RequestOutput, SamplingParams
 from pdserve.engine.core.detokenizer import PROMPT_CONTEXT_TOKENS as WORKER_CONTEXT_TOKENS
 from pdserve.router.routing import migration
 from pdserve.router.routing.migration import MigrationPolicy, Progress, continuation
@@ -118,6 +119,16 @@ def test_the_continuation_asks_for_what_is_still_owed() -> None:
     follow = continuation(request(max_tokens=6), progress)
     assert (follow.prompt_token_ids, follow.sampling.max_tokens) == (PROMPT + (7, 8), 4)
     assert follow.request_id != "r-0" and follow.sampling.temperature == 0.0
+
+
+def test_a_continuation_owes_fewer_minimum_tokens_and_resumes_its_guide() -> None:
+    guided = dataclasses.replace(request(max_tokens=6), sampling=SamplingParams(
+        max_tokens=6, min_tokens=4, temperature=0.0, guide=Guide(GuideKind.REGEX, "[a-z]+")))
+    follow = continuation(guided, Progress(token_ids=[7, 8, 9], text=["a", "b", "c"]))
+    assert (follow.sampling.max_tokens, follow.sampling.min_tokens, follow.sampling.guide_done_tokens) == (3, 1, 3)
+    again = continuation(follow, Progress(token_ids=[10, 11], text=["d", "e"], num_migrations=1))
+    assert (again.sampling.max_tokens, again.sampling.min_tokens, again.sampling.guide_done_tokens) == (1, 0, 5)
+    assert continuation(request(), Progress(token_ids=[7], text=["a"])).sampling.guide_done_tokens == 0
 
 
 def test_the_router_decodes_with_the_workers_prompt_context() -> None:

@@ -9,7 +9,7 @@ import pytest
 from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
 from pdserve.common.errors import PermissionDeniedError
 from pdserve.common.ids import BlockId, RequestId, WorkerId
-from pdserve.common.request import GenerationRequest, SamplingParams
+from pdserve.common.request import GenerationRequest, MultimodalSpan, SamplingParams
 from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.rpc.kv_transfer_service import add_kv_transfer_service
 from pdserve.worker.kv.peers import PrefillPeers
@@ -24,6 +24,10 @@ ORDER = PrefillOrder(GenerationRequest(RequestId("r"), (1, 2, 3), SamplingParams
 @pytest.mark.parametrize("change", [
     {"decode_worker_id": WorkerId("decode-1")}, {"first_block": 0}, {"dest_block_ids": (BlockId(7), BlockId(8))},
     {"timeout_s": 50.0}, {"request": dataclasses.replace(ORDER.request, request_id=RequestId("s"))},
+    {"request": dataclasses.replace(ORDER.request, prompt_token_ids=(1, 2, 4))},
+    {"request": dataclasses.replace(ORDER.request, cache_salt="another tenant")},
+    {"request": dataclasses.replace(ORDER.request, lora_id=7)},
+    {"request": dataclasses.replace(ORDER.request, multimodal=(MultimodalSpan(b"\x01" * 32, 0, 2),))},
 ])
 def test_a_grant_covers_the_request_the_worker_the_blocks_and_the_deadline(change: dict) -> None:
     order = granted(KEY, ORDER)

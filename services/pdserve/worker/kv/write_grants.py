@@ -2,9 +2,11 @@
 
 At the handshake the decode worker sends a fresh random key (over mutual TLS, only the two
 peers see it). Each prefill order carries an HMAC-SHA256 under that key over the request id,
-the decode worker's id, the blocks and the deadline, minted where the blocks were reserved; the
-prefill worker checks it before computing anything. An order with a wrong or missing grant —
-forged, or with its blocks or deadline altered — writes nothing.
+the decode worker's id, the blocks and the deadline, and over what decides the bytes written
+there: the prompt's tokens (a digest), the cache salt, the LoRA adapter and the multimodal
+spans. It is minted where the blocks were reserved; the prefill worker checks it before
+computing anything. An order with a wrong or missing grant (forged, or with any of those
+altered: another tenant's salt, another adapter) writes nothing.
 """
 import dataclasses
 import hashlib
@@ -23,8 +25,12 @@ def new_order_key() -> bytes:
 
 def grant_of(key: bytes, order: PrefillOrder) -> bytes:
     """The HMAC over what the order asks for (its `grant` field itself excluded)."""
-    signed = json.dumps([order.request.request_id, order.decode_worker_id, order.first_block,
-                         list(order.dest_block_ids), float(order.timeout_s).hex()], separators=(",", ":"))
+    request = order.request
+    prompt = hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in request.prompt_token_ids)).hexdigest()
+    spans = [[s.content_hash.hex(), s.offset, s.length] for s in request.multimodal]
+    signed = json.dumps([request.request_id, order.decode_worker_id, order.first_block,
+                         list(order.dest_block_ids), float(order.timeout_s).hex(), prompt, request.cache_salt,
+                         request.lora_id, spans], separators=(",", ":"))
     return hmac.new(key, signed.encode(), hashlib.sha256).digest()
 
 

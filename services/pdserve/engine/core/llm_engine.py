@@ -315,15 +315,11 @@ class LLMEngine:
         guide, done = request.sampling.guide, request.sampling.guide_done_tokens
         if guide is None:
             return None
-        matcher = self.guide_compiler().matcher(guide)
-        if not 0 <= done <= len(request.prompt_token_ids):
-            raise InvalidRequestError(f"guide_done_tokens={done} is outside the prompt's {len(request.prompt_token_ids)} "
-                                      "tokens", "guide_done_tokens")
-        for token_id in request.prompt_token_ids[len(request.prompt_token_ids) - done:]:  # a migrated request's output
-            refusal = matcher.advance(token_id)
-            if refusal is not None:
-                raise InvalidRequestError(f"the tokens already generated do not follow the guide: {refusal}", "guide")
-        return matcher
+        prompt = request.prompt_token_ids
+        if not 0 <= done <= len(prompt):
+            raise InvalidRequestError(f"guide_done_tokens={done} is outside the prompt's {len(prompt)} tokens",
+                                      "guide_done_tokens")
+        return self.guide_compiler().matcher(guide, prompt[len(prompt) - done:])
 
     def guide_compiler(self) -> GuideCompiler:
         """The worker's guide compiler, built at its first use (from any thread)."""

@@ -64,9 +64,15 @@ class GuideCompiler:
         self._compiled: OrderedDict[Guide, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the cache only: compiles run outside it, on any thread
 
-    def matcher(self, guide: Guide) -> GuideMatcher:
-        """A fresh matcher at the start of `guide`; InvalidRequestError if it does not compile."""
-        return GuideMatcher(self._pristine(guide).deep_copy())
+    def matcher(self, guide: Guide, done: Sequence[int] = ()) -> GuideMatcher:
+        """A fresh matcher of `guide`, past the tokens `done` already generated under it (a migrated
+        request's); InvalidRequestError if it does not compile or `done` does not follow it."""
+        matcher = GuideMatcher(self._pristine(guide).deep_copy())
+        for token_id in done:
+            refusal = matcher.advance(token_id)
+            if refusal is not None:
+                raise InvalidRequestError(f"the tokens already generated do not follow the guide: {refusal}", "guide")
+        return matcher
 
     def prepare(self, guide: Guide) -> None:
         """Compile `guide` now (on the caller's thread) and keep it; InvalidRequestError if it does not compile."""

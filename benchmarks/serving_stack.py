@@ -11,7 +11,6 @@ Also builds the random-weight 160M Llama checkpoint (`--random-160m`).
 """
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import IO, Self
 
 from pdserve.common import pki
+from pdserve.common.ports import free_ports
 from pdserve.common.tls import TlsConfig
 
 READY_TIMEOUT_S = 300.0
@@ -36,12 +36,11 @@ _HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
-    """A loopback port free now and not handed out before in this benchmark run: two picks in a row
-    can otherwise return the same port, and two processes would be told to listen on it."""
+    """A loopback port free now, below the kernel's ephemeral range (so a worker that starts
+    meanwhile cannot take it for a transfer listener or an outgoing connection), and not handed
+    out before in this benchmark run: two picks in a row could otherwise return the same port."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        (port,) = free_ports("127.0.0.1", 1)
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port

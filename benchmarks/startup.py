@@ -25,7 +25,6 @@ import platform
 import re
 import resource
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from pathlib import Path
 
 from pdserve.common.model_source import default_model_path
 
-from serving_stack import descendants, stop_process
+from serving_stack import descendants, free_port, stop_process
 
 CHILD_TIMEOUT_S = 300
 SERVE_READY_TIMEOUT_S = 180
@@ -103,12 +102,6 @@ def run_child(kind: str, args: argparse.Namespace, cache_dir: str = "") -> dict:
     done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=True,
                           env=child_env(args))
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vm_hwm_mib(pid: int) -> float:

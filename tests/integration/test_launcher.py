@@ -3,7 +3,6 @@ decode worker and a router as processes on loopback."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.stack import children_of, command_of
+from tests.integration.stack import children_of, command_of, free_port, free_port_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -57,34 +56,8 @@ def metric(port: int, name: str) -> float:
 
 def free_ports() -> tuple[int, int, int]:
     """Router port, worker base port and metrics base port, with each base's successor free too
-    (serve gives worker i the base + i); all five are held at once so no two coincide."""
-    held: list[socket.socket] = []
-    try:
-        router = bind_any(held)
-        return router, bind_pair(held), bind_pair(held)
-    finally:
-        for s in held:
-            s.close()
-
-
-def bind_any(held: list[socket.socket]) -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    held.append(s)
-    return s.getsockname()[1]
-
-
-def bind_pair(held: list[socket.socket]) -> int:
-    while True:
-        base = bind_any(held)
-        successor = socket.socket()
-        try:
-            successor.bind(("127.0.0.1", base + 1))
-        except OSError:
-            successor.close()
-            continue
-        held.append(successor)
-        return base
+    (serve gives worker i the base + i), none handed out before in this session."""
+    return free_port(), free_port_pair(), free_port_pair()
 
 
 LONG_PROMPT = "The history of the city is long. " * 12  # ~100 tokens: worth a prefill worker

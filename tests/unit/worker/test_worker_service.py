@@ -1,6 +1,5 @@
 """The worker's gRPC service and the router's client of it, over loopback, with a fake engine."""
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +18,7 @@ from pdserve.common.errors import (
     WorkerUnavailableError,
 )
 from pdserve.common.ids import DeploymentId
+from pdserve.common.ports import free_ports
 from pdserve.common.stats import WorkerInfo
 from pdserve.rpc import convert
 from pdserve.rpc.gen import worker_pb2 as wpb
@@ -44,12 +44,6 @@ async def serving(engine: FakeEngine, deployment_id: DeploymentId | None = None,
     finally:
         await backend.close()
         await server.stop(0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_generate_streams_every_output_and_aborts_nothing() -> None:
@@ -223,7 +217,7 @@ def test_info_names_the_deployment_the_worker_was_started_in() -> None:
 
 def test_unreachable_worker_raises_worker_unavailable() -> None:
     async def scenario() -> None:
-        backend = GrpcBackend(f"127.0.0.1:{free_port()}", rpc_timeout_s=2.0)
+        backend = GrpcBackend(f"127.0.0.1:{free_ports('127.0.0.1', 1)[0]}", rpc_timeout_s=2.0)
         with pytest.raises(WorkerUnavailableError):
             await backend.info()
         with pytest.raises(WorkerUnavailableError):

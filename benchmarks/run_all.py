@@ -41,6 +41,7 @@ EXPECTED_SCRIPTS: dict[str, list[str]] = {
     "tiers.py": [],
     "internal_tls.py": ["--scale", "0.5"],
     "isolation_audit.py": [],
+    "abuse.py": [],
     "soak.py": ["--minutes", "2"],  # a health figure (flat curves), kept short in the set
 }
 OUTPUT_TAIL_CHARS = 2000

@@ -159,6 +159,25 @@ def _startup(report: dict) -> None:
                                      "router_tokenizer total_s: filled_cache / no_cache"}
 
 
+def _abuse(report: dict) -> None:
+    cases = ["slow_bodies", "stalled_readers", "tokenize", "completion_batch", "echo_logprobs", "plain_companions",
+             "logit_bias", "guided_schemas"]
+    assert [row["case"] for row in report["results"]] == ["baseline", *cases, "baseline_end"]
+    assert all(row["streams_ok"] == row["streams"] > 0 for row in report["results"])  # no normal stream refused
+    abusers = {row["case"]: row["abusers"] for row in report["results"][1:-1]}
+    assert abusers["slow_bodies"]["status_counts"] == {"408": 20}  # answered, none given a place
+    assert abusers["stalled_readers"]["status_counts"] == {"200": 2}
+    assert abusers["stalled_readers"]["places_freed_after_s"] is not None
+    assert abusers["tokenize"]["status_counts"] == {"200": 1}
+    assert abusers["completion_batch"]["error_param"] == "prompt[7]"  # the too-long last prompt, once all are read
+    assert abusers["echo_logprobs"]["prompt_tokens_answered"] == [512, 512]
+    assert abusers["logit_bias"]["over_cap"] == {"entries": 1025, "status": 400}
+    assert set(abusers["guided_schemas"]["status_counts"]) <= {"200"}
+    ratios = {f"tpot: {case} / baseline" for case in cases} | {"tpot: logit_bias / plain_companions"}
+    assert ratios <= report["ratios"].keys()
+    assert set(report["targets"]) == set(cases)
+
+
 SMALL_SERVING = ("--model", "{model}", "--num-prompts", "2", "--input-len", "32", "--output-len", "4",
                  "--prefix-len", "16", "--max-concurrency", "2", "--num-warmups", "0", "--kv-cache-memory", "64MiB")
 SMALL_MODEL = ("--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "256",
@@ -172,6 +191,12 @@ RUNS: dict[str, ScriptRun] = {
     "internal_tls.py": ScriptRun(("--model", "{model}", "--scale", "0.03", "--single-pass", "--calls", "20"),
                                  _internal_tls),
     "soak.py": ScriptRun(("--model", "{model}", "--minutes", "0.15", "--sample-interval", "1"), _soak),
+    "abuse.py": ScriptRun(("--model", "{model}", "--stream-tokens", "16", "--baseline-streams", "1", "--case-streams",
+                           "1", "--slow-connections", "20", "--slow-byte-interval", "0.3", "--body-read-timeout", "2",
+                           "--stalled-readers", "2", "--stalled-prompt-tokens", "1024", "--stalled-choices", "8",
+                           "--stalled-max-tokens", "8", "--send-timeout", "2", "--tokenize-bytes", "262144",
+                           "--batch-prompts", "8", "--echo-tokens", "512", "--companions", "2",
+                           "--guided-max-tokens", "16"), _abuse),
     "startup.py": ScriptRun(("--model", "{model}",), _startup),
     "routing.py": ScriptRun(("--model", "{model}", "--prefill", "1", "--decode", "1", "--num-system-prompts", "1",
                              "--num-users", "2", "--turns", "2", "--system-len", "64", "--user-len", "16",
@@ -211,4 +236,5 @@ NOT_RUN = {
     "serving_stack.py": "a helper of the serving scripts, run through them",
     "serving_load.py": "a helper of the serving scripts, run through them",
     "router_scale_workload.py": "router_scale.py's synthetic streams, run through it",
+    "abuse_cases.py": "abuse.py's abusers, run through it",
 }

@@ -243,16 +243,16 @@ OUT_OF_RANGE_GENERATE = [
 ]
 OUT_OF_RANGE_PREFILL = [
     kv_transfer_pb2.PrefillRequest(request=_generate("pf-unknown-peer", [1, 2, 3, 4, 5]), decode_worker_id="nobody",
-                                   first_block=0, dest_block_ids=[0], timeout_s=5.0),
+                                   first_block=0, dest_block_ids=[0], deadline=time.time() + 300),
     kv_transfer_pb2.PrefillRequest(request=_generate("pf-blocks", list(range(1, 40))), decode_worker_id="nobody",
-                                   first_block=U32, dest_block_ids=[U32] * 1000, timeout_s=5.0),
+                                   first_block=U32, dest_block_ids=[U32] * 1000, deadline=time.time() + 300),
     kv_transfer_pb2.PrefillRequest(request=_generate("pf-timeout", list(range(1, 40))), decode_worker_id="",
-                                   first_block=1, dest_block_ids=[], timeout_s=-math.inf),
+                                   first_block=1, dest_block_ids=[], deadline=-math.inf),
     kv_transfer_pb2.PrefillRequest(request=_generate("pf-nan", [1, 2, 3]), decode_worker_id="nobody",
-                                   dest_block_ids=[0], timeout_s=math.nan),
-    kv_transfer_pb2.PrefillRequest(decode_worker_id="nobody", dest_block_ids=[5], timeout_s=5.0),
+                                   dest_block_ids=[0], deadline=math.nan),
+    kv_transfer_pb2.PrefillRequest(decode_worker_id="nobody", dest_block_ids=[5], deadline=time.time() + 300),
     kv_transfer_pb2.PrefillRequest(request=_generate("pf-vocab", [U32] * 20), decode_worker_id="nobody",
-                                   dest_block_ids=[0, 1], timeout_s=5.0),
+                                   dest_block_ids=[0, 1], deadline=time.time() + 300),
 ]
 HANDSHAKES = [
     kv_transfer_pb2.HandshakeRequest(worker_id="", metadata=b""),

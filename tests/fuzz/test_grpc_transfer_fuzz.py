@@ -7,6 +7,7 @@ serves correctly."""
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -21,7 +22,7 @@ from pdserve.rpc.gen import kv_transfer_pb2, kv_transfer_pb2_grpc, request_pb2, 
 from pdserve.rpc.status import MAX_DETAILS_CHARS
 from pdserve.transfer.handshake import PeerMetadata
 from pdserve.transfer.layout import KvLayoutSpec
-from pdserve.worker.kv.write_grants import grant_of, new_order_key
+from pdserve.worker.kv.write_grants import grant_of, new_nonce, new_order_key
 from tests.fuzz.worker_calls import FuzzStack, assert_worker_sound
 
 pytestmark = pytest.mark.integration
@@ -81,7 +82,8 @@ def order(request_id: str, num_tokens: int, dest_block_ids: list[int], first_blo
         request_id=request_id, prompt_token_ids=[(7 * i) % 40000 + 100 for i in range(num_tokens)],
         sampling=request_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, n=1))
     message = kv_transfer_pb2.PrefillRequest(request=request, decode_worker_id=PEER, first_block=first_block,
-                                             dest_block_ids=dest_block_ids, timeout_s=timeout_s)
+                                             dest_block_ids=dest_block_ids, deadline=time.time() + timeout_s,
+                                             nonce=new_nonce())
     message.grant = grant_of(ORDER_KEY, convert.order_from_proto(message))
     return message
 
@@ -139,7 +141,7 @@ def test_out_of_range_block_lists_are_refused_and_write_nothing(prefill_stub, de
 
 
 @pytest.mark.parametrize("timeout_s", [0.0, -1.0, -0.0, math.nan, math.inf, -math.inf, 601.0, 1e300])
-def test_nonsense_timeouts_are_refused(prefill_stub, decode_peer: DecodePeer, timeout_s: float) -> None:
+def test_nonsense_deadlines_are_refused(prefill_stub, decode_peer: DecodePeer, timeout_s: float) -> None:
     message = order(f"timeout-{timeout_s}", 2 * decode_peer.tokens_per_block, [1], timeout_s=timeout_s)
     answered, details = call_prefill(prefill_stub, message)
     assert answered == grpc.StatusCode.INVALID_ARGUMENT, details[:500]

@@ -10,14 +10,23 @@ class PrefillOrder:
     """Compute `request`'s prompt and write its blocks `first_block..` into `dest_block_ids`.
 
         # prompt blocks | 0 .. first_block: decode already holds | first_block ..: moved |
+
+    Times are Unix seconds, so both sides read them alike; the decode worker's lease on the
+    blocks outlasts `deadline` (by its grace, which also covers the hosts' clock skew).
     """
 
     request: GenerationRequest
     decode_worker_id: WorkerId
     first_block: int
     dest_block_ids: tuple[BlockId, ...]
-    timeout_s: float
+    deadline: float  # no byte may land after it: no write starts, and one under way fails, then
+    start_by: float = 0.0  # the prefill is refused unless it starts by then (0: by the deadline)
+    nonce: bytes = b""  # fresh per order: a second order with the same nonce is refused
     grant: bytes = b""  # the decode worker's HMAC over the fields above (worker/kv/write_grants.py)
+
+    @property
+    def latest_start(self) -> float:
+        return self.start_by or self.deadline
 
 
 @dataclass(frozen=True, slots=True)

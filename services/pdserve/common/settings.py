@@ -164,7 +164,14 @@ class WorkerSettings:
                                        "on this port, for probes that cannot present a client certificate "
                                        "(Kubernetes' grpc probes; 0: any free port)")
     kv_transfer_timeout_s: float = opt(30.0, parse=cv.parse_float, flag="kv-transfer-timeout",
-                                       help="bound on one prompt's prefill + KV transfer (seconds)")
+                                       help="bound on one prompt's prefill + KV transfer, from the latest moment "
+                                            "the prefill may start (seconds)")
+    prefill_queue_timeout_s: float = opt(30.0, parse=cv.parse_float, flag="prefill-queue-timeout",
+                                         help="decode worker: how long a prompt may wait in a prefill worker's queue "
+                                              "before that worker refuses it and we prefill it here (seconds)")
+    max_prefill_queue: int = opt(8, parse=cv.parse_int,
+                                 help="decode worker: prompts sent to one prefill worker and not yet answered; "
+                                      "beyond it, prompts are prefilled here (as Dynamo's max_prefill_queue_size)")
     disagg_min_prefill_tokens: int = opt(32, parse=cv.parse_int,
                                          help="a decode worker prefills locally when fewer prompt tokens "
                                               "are missing from its own cache")
@@ -178,9 +185,11 @@ class WorkerSettings:
                                             "is wedged: health answers NOT_SERVING until it moves again (seconds)")
 
     def __post_init__(self) -> None:
-        check_positive(self, "kv_transfer_timeout_s", "max_waiting_requests", "engine_step_timeout_s")
-        check(self.kv_transfer_timeout_s <= 600, "kv_transfer_timeout_s", self.kv_transfer_timeout_s,
-              "must be at most 600 seconds (the longest a prefill worker holds blocks for a peer)")
+        check_positive(self, "kv_transfer_timeout_s", "prefill_queue_timeout_s", "max_waiting_requests",
+                       "engine_step_timeout_s", "max_prefill_queue")
+        check(self.prefill_queue_timeout_s + self.kv_transfer_timeout_s <= 600, "kv_transfer_timeout_s",
+              self.kv_transfer_timeout_s, f"with --prefill-queue-timeout ({self.prefill_queue_timeout_s:g}) must be at "
+                                          "most 600 seconds (the longest a prefill worker holds blocks for a peer)")
         check_positive(self, "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                         "kv_cache_memory", "max_kv_tokens", "num_threads", "drain_timeout_s", "max_loras",
                         "max_lora_rank")

@@ -9,15 +9,15 @@ from pdserve.rpc.gen import request_pb2 as rpb
 def order_to_proto(order: PrefillOrder) -> kpb.PrefillRequest:
     return kpb.PrefillRequest(
         request=convert.request_to_proto(order.request), decode_worker_id=order.decode_worker_id,
-        first_block=order.first_block, dest_block_ids=list(order.dest_block_ids), timeout_s=order.timeout_s,
-        grant=order.grant,
+        first_block=order.first_block, dest_block_ids=list(order.dest_block_ids), deadline=order.deadline,
+        start_by=order.start_by, nonce=order.nonce, grant=order.grant,
     )
 
 
 def order_from_proto(msg: kpb.PrefillRequest) -> PrefillOrder:
     return PrefillOrder(
         convert.request_from_proto(msg.request), WorkerId(msg.decode_worker_id), msg.first_block,
-        tuple(BlockId(b) for b in msg.dest_block_ids), msg.timeout_s, msg.grant,
+        tuple(BlockId(b) for b in msg.dest_block_ids), msg.deadline, msg.start_by, msg.nonce, msg.grant,
     )
 
 

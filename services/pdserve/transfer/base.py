@@ -190,9 +190,12 @@ class KvTransportBase(KvTransport, Generic[Token]):
                                       "seconds", param="timeout_s")
         if not isinstance(notify, bytes):
             raise InvalidRequestError(f"notify={notify!r}: must be bytes", param="notify")
-        deadline = self._clock() + timeout_s
+        deadline = self._clock() + timeout_s  # counted from the call, not from taking the lock
         with self._lock:
             self._check_open()
+            if self._clock() >= deadline:
+                raise TransferError(f"{op} to {peer_id!r} not posted: its {timeout_s:g} s passed waiting for the "
+                                    "transport")
             peer = self._peers.get(peer_id)
             if peer is None:
                 raise TransferError(f"unknown peer {peer_id!r}: add_peer first")

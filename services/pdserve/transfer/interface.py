@@ -92,7 +92,8 @@ class KvTransport(ABC):
         """Copy local block `local_block_ids[i]` into the peer's block `remote_block_ids[i]`.
 
         `notify` (may be empty: none) reaches the peer once every byte has landed. The transfer
-        FAILS if not done within `timeout_s`. Raises InvalidRequestError for ids out of range,
+        FAILS if not done within `timeout_s` of this call (and is not posted at all once that
+        has passed waiting for the transport). Raises InvalidRequestError for ids out of range,
         of unequal lengths or repeated destinations; TransferError for an unknown or
         unreachable peer.
         """

@@ -144,14 +144,16 @@ class ThreadedEngine:
         return self._queues  # as of the last loop turn
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
-                       prefill_only: bool = False, hold_lease_s: float = 30.0) -> AsyncIterator[RequestOutput]:
+                       prefill_only: bool = False, hold_lease_s: float = 30.0,
+                       start_by: float | None = None) -> AsyncIterator[RequestOutput]:
         """Admit and stream the request. `prefill_worker` is ignored here (aggregated serving);
-        `prefill_only` stops after the first token and holds the blocks (see LLMEngine)."""
+        `prefill_only` stops after the first token and holds the blocks, and a request not
+        started by `start_by` (time.monotonic()) ends with an error (see LLMEngine)."""
         await self.prepare_guide(request)
         loop = asyncio.get_running_loop()
         stream = Stream(loop, asyncio.Queue(), request.sampling.n)
         admitted = loop.create_future()
-        self._send(Admit(request, stream, admitted, prefill_only, hold_lease_s, time.monotonic()))
+        self._send(Admit(request, stream, admitted, prefill_only, hold_lease_s, time.monotonic(), start_by))
         await self._until_admitted(request.request_id, admitted)
         async for output in self.outputs(request, stream.outputs):
             yield output
@@ -270,7 +272,8 @@ class ThreadedEngine:
 
     def _admit(self, command: Admit) -> None:
         try:
-            self._engine.add_request(command.request, command.prefill_only, command.hold_lease_s, command.arrival_s)
+            self._engine.add_request(command.request, command.prefill_only, command.hold_lease_s, command.arrival_s,
+                                     command.start_by)
         except Exception as exc:  # a typed error for the caller, raised in its own loop
             command.stream.loop.call_soon_threadsafe(_set_exception, command.admitted, exc)
             return

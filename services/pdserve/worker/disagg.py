@@ -4,34 +4,42 @@
       local prefill when: no prefill worker, n > 1, prompt logprobs asked for (they come from
                           the prompt's logits), few tokens missing from our own cache,
                           the peer cannot be reached, it does not hold the request's LoRA
-                          adapter (told at handshake; `lora_mismatch`), or no blocks are free
+                          adapter (told at handshake; `lora_mismatch`), `max_prefill_queue`
+                          of our orders to it have not been answered yet (`prefill_queue_full`:
+                          a burst is shared with our own cores rather than queued there
+                          until it times out), or no blocks are free
       else: reserve blocks (two-phase claim; our cached prefix is reused)
             → the prefill worker computes the prompt and WRITEs only the blocks we lack
             → its first token is emitted here and decoding continues in our batch
 
-Every wait is bounded: the prefill call by `transfer_timeout_s`, the reserved blocks by a
-lease of `transfer_timeout_s + lease_grace_s`, after which the engine frees them.
+Every wait is bounded. An order must start within `prefill_queue_timeout_s` (`start_by`) and
+land by `deadline`, `transfer_timeout_s` later: both absolute, fixed once before the blocks are
+reserved, signed in the order's grant and kept by a retry. The reserved blocks' lease is set
+then too, `lease_grace_s` past the deadline, so no write the prefill worker accepts can land
+after it, and the engine frees them when it ends.
 
 A reserved block may receive a write until the prefill call has answered: the call therefore
 runs to its end even when the client goes away (the answer frees the blocks at once: success
 means every byte has landed), and a failed call leaves the blocks to the engine's quarantine
 until the lease ends. A prefill worker that answers "unknown peer" (it restarted) has computed
-and written nothing: we handshake again and retry once on the same blocks.
+and written nothing: we handshake again and retry once on the same blocks, by the same deadline.
 """
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from pdserve.common.disagg import PrefillOrder
-from pdserve.common.errors import PdserveError, UnknownPeerError, WorkerUnavailableError
+from pdserve.common.disagg import PrefillOrder, PrefillResult
+from pdserve.common.errors import PdserveError, TransferError, UnknownPeerError, WorkerUnavailableError
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 from pdserve.kvcache import ClaimResult
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.kv.peers import PrefillPeer, PrefillPeers
+from pdserve.worker.kv.write_grants import new_nonce
 from pdserve.worker.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
@@ -42,9 +50,11 @@ LOCAL = "local"  # RequestOutput.prefilled_by when this worker computed the prom
 class DisaggConfig:
     worker_id: WorkerId
     min_remote_prefill_tokens: int = 32
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float = 30.0  # from the latest start of the peer's prefill to its last byte
     lease_grace_s: float = 10.0
     recompute_on_failure: bool = True
+    prefill_queue_timeout_s: float = 30.0  # how long an order may wait in the peer's queue
+    max_prefill_queue: int = 8  # our unanswered orders to one peer; more prefill here
 
 
 class DecodeEngine:
@@ -57,6 +67,7 @@ class DecodeEngine:
         self._config = config
         self._metrics = metrics
         self._prefills: set[asyncio.Task] = set()  # remote prefills, kept to their end
+        self._queued: Counter[str] = Counter()  # our unanswered orders, by prefill worker address
 
     def info(self) -> ModelInfo:
         return self._engine.info()
@@ -72,14 +83,25 @@ class DecodeEngine:
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
         peer, reason = await self._peer(request, prefill_worker)
-        lease_s = self._config.transfer_timeout_s + self._config.lease_grace_s
-        verdict, queue = await self._engine.admit_for_decode(request, peer is not None,
-                                                             self._config.min_remote_prefill_tokens, lease_s)
+        config = self._config
+        start_by = time.time() + config.prefill_queue_timeout_s
+        deadline = start_by + config.transfer_timeout_s
+        lease_s = deadline - time.time() + config.lease_grace_s  # it starts later, at the reservation
+        try:
+            verdict, queue = await self._engine.admit_for_decode(request, peer is not None,
+                                                                 config.min_remote_prefill_tokens, lease_s)
+        except BaseException:
+            self._unqueue(peer and peer.address)
+            raise
         prefilled_by = LOCAL
         if verdict.claim is None:
+            self._unqueue(peer and peer.address)
             self._metrics.local_prefills.labels(reason or verdict.local_reason).inc()
         else:
-            prefill = asyncio.ensure_future(self._remote_prefill(peer, request, verdict.claim))
+            first_block = verdict.claim.num_cached_tokens // self._engine.engine.kv.tokens_per_block
+            order = PrefillOrder(request, config.worker_id, first_block, verdict.claim.block_ids[first_block:],
+                                 deadline, start_by, new_nonce())
+            prefill = asyncio.ensure_future(self._remote_prefill(peer, order))
             self._prefills.add(prefill)
             prefill.add_done_callback(self._prefills.discard)
             try:
@@ -93,6 +115,13 @@ class DecodeEngine:
             yield replace(output, prefilled_by=prefilled_by) if is_first else output
             is_first = False
 
+    def _unqueue(self, address: str | None) -> None:
+        """One order fewer waiting on the prefill worker at `address` (None: none was counted)."""
+        if address is not None:
+            self._queued[address] -= 1
+            if self._queued[address] <= 0:
+                del self._queued[address]
+
     async def _peer(self, request: GenerationRequest, prefill_worker: str | None) -> tuple[PrefillPeer | None, str | None]:
         """The prefill worker to use, or None and why the prompt is prefilled here."""
         reason = self._local_reason(request, prefill_worker)
@@ -101,7 +130,7 @@ class DecodeEngine:
         try:
             peer = await self._peers.get(prefill_worker)
             if request.lora_id is None or request.lora_id in peer.lora_ids:
-                return peer, None
+                return self._queue_on(peer)
             if peer.our_lora_ids != self._peers.lora_ids():  # our adapters changed since: so may its
                 await self._peers.forget(peer)
                 peer = await self._peers.get(prefill_worker)
@@ -109,10 +138,17 @@ class DecodeEngine:
             log.warning("prefill worker %s unusable, prefilling locally: %s", prefill_worker, exc)
             return None, "peer_unavailable"
         if request.lora_id in peer.lora_ids:
-            return peer, None
+            return self._queue_on(peer)
         log.info("prefill worker %s does not hold LoRA adapter %d of %s: prefilling locally", prefill_worker,
                  request.lora_id, request.request_id)
         return None, "lora_mismatch"
+
+    def _queue_on(self, peer: PrefillPeer) -> tuple[PrefillPeer | None, str | None]:
+        """`peer`, counting one more order to it, unless `max_prefill_queue` of ours wait there."""
+        if self._queued[peer.address] >= self._config.max_prefill_queue:
+            return None, "prefill_queue_full"
+        self._queued[peer.address] += 1
+        return peer, None
 
     @staticmethod
     def _local_reason(request: GenerationRequest, prefill_worker: str | None) -> str | None:
@@ -124,20 +160,19 @@ class DecodeEngine:
             return "prompt_logprobs"
         return None
 
-    async def _remote_prefill(self, peer: PrefillPeer, request: GenerationRequest, claim: ClaimResult) -> bool:
+    async def _remote_prefill(self, peer: PrefillPeer, order: PrefillOrder) -> bool:
         """True once the prompt's KV has landed; False when it is recomputed here (or failed)."""
-        first_block = claim.num_cached_tokens // self._engine.engine.kv.tokens_per_block
-        order = PrefillOrder(request, self._config.worker_id, first_block, claim.block_ids[first_block:],
-                             self._config.transfer_timeout_s)
+        request = order.request
+        address = peer.address
         start = time.perf_counter()
         try:
             try:
-                result = await peer.prefill(order, self._config.transfer_timeout_s + 1.0)
+                result = await _send(peer, order)
             except UnknownPeerError as exc:
                 log.info("prefill worker at %s does not know us (%s): handshaking again", peer.address, exc)
                 await self._peers.forget(peer)
                 peer = await self._peers.get(peer.address)
-                result = await peer.prefill(order, self._config.transfer_timeout_s + 1.0)
+                result = await _send(peer, order)
         except PdserveError as exc:
             log.warning("KV transfer for %s from %s failed: %s", request.request_id, peer.address, exc)
             self._metrics.failures.labels("received").inc()
@@ -146,7 +181,18 @@ class DecodeEngine:
             await self._engine.fail_remote(request.request_id, self._config.recompute_on_failure,
                                            f"KV transfer from {peer.address} failed: {exc}")
             return False
+        finally:
+            self._unqueue(address)
         self._metrics.transferred("received", result.num_blocks, result.num_bytes)
         self._metrics.remote_prefill_seconds.observe(time.perf_counter() - start)
         await self._engine.complete_remote(request.request_id, result.first_token, result.logprob)
         return True
+
+
+async def _send(peer: PrefillPeer, order: PrefillOrder) -> PrefillResult:
+    """`order` to `peer`, waiting for its answer until a second past its deadline; not sent once
+    the deadline has passed (the peer would refuse it)."""
+    left_s = order.deadline - time.time()
+    if left_s <= 0:
+        raise TransferError(f"the deadline of {order.request.request_id!r} passed before its order could be sent")
+    return await peer.prefill(order, left_s + 1.0)

@@ -31,6 +31,7 @@ class Admit:
     prefill_only: bool
     hold_lease_s: float
     arrival_s: float
+    start_by: float | None = None  # time.monotonic(): see LLMEngine.add_request
 
 
 @dataclass(frozen=True, slots=True)

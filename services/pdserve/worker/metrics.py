@@ -16,7 +16,7 @@ REMOTE_PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Why a decode worker prefills a prompt itself (DecodeEngine and DecodeVerdict give these).
 LOCAL_PREFILL_REASONS = ("no_prefill_worker", "n_gt_1", "peer_unavailable", "few_missing_tokens", "no_free_blocks",
-                         "lower_tier_read_failed", "prompt_logprobs", "lora_mismatch")
+                         "lower_tier_read_failed", "prompt_logprobs", "lora_mismatch", "prefill_queue_full")
 
 
 class TransferMetrics:

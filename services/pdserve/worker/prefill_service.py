@@ -4,12 +4,17 @@ A prefill order runs the prompt as a prefill-only request (the engine holds its 
 the first token), WRITEs the blocks the decode worker lacks into the blocks it reserved, and
 answers once every byte has landed. An order from a decode worker we have no handshake with
 (we restarted since) is refused before any compute, so the decode worker re-handshakes and
-retries; so is an order without a valid write grant (`write_grants.py`), and a handshake from a
-worker of another deployment. The write runs on a worker thread (NIXL's calls block for the copy; the event loop
-keeps serving gRPC) and never starts after the order's deadline, so the decode worker's lease
-(longer) covers it. The held blocks are released as soon as no transfer can read them any
-more, after the reply rather than before it; a transfer that cannot be stopped leaves them to
-the hold's lease.
+retries; so is an order without a valid write grant (`write_grants.py`), a replayed one (a
+nonce seen before), and a handshake from a worker of another deployment.
+
+An order names two absolute times (Unix seconds, signed in its grant): the prefill must start
+by `start_by` (a request still queued then ends unstarted: the queue wait is bounded), and no
+byte may land after `deadline`, which the decode worker's lease outlasts. The deadline is read
+at the moment of writing: a write whose budget has run out while it waited for a thread or the
+transport is never posted, and one under way fails at the deadline. The write runs on a worker
+thread (NIXL's calls block for the copy; the event loop keeps serving gRPC). The held blocks
+are released as soon as no transfer can read them any more, after the reply rather than
+before it; a transfer that cannot be stopped leaves them to the hold's lease.
 """
 import asyncio
 import logging
@@ -36,6 +41,7 @@ from pdserve.worker.kv.write_grants import is_granted
 
 log = logging.getLogger(__name__)
 MAX_ORDER_TIMEOUT_S = 600.0  # the longest a prefill worker holds blocks for a peer
+MAX_NONCE_BYTES = 64
 
 
 class PrefillService:
@@ -49,6 +55,7 @@ class PrefillService:
         self._metrics = metrics
         self._deployment_id = deployment_id
         self._order_keys: dict[WorkerId, bytes] = {}  # each peer's key of its write grants
+        self._nonces: dict[bytes, float] = {}  # nonces of granted orders -> their deadline (time.monotonic())
         self._releases: set[asyncio.Task] = set()
 
     async def handshake(self, hello: Hello) -> Hello:
@@ -80,20 +87,18 @@ class PrefillService:
         return result
 
     async def _prefill(self, order: PrefillOrder) -> PrefillResult:
-        if not (math.isfinite(order.timeout_s) and 0 < order.timeout_s <= MAX_ORDER_TIMEOUT_S):  # the hold's lease too
-            raise InvalidRequestError(f"timeout_s={order.timeout_s!r}: must be more than 0 and at most "
-                                      f"{MAX_ORDER_TIMEOUT_S:g} seconds", "timeout_s")
-        deadline = time.monotonic() + order.timeout_s
+        start_by, deadline = _local_times(order)
         if not self._transport.has_peer(order.decode_worker_id):
             raise UnknownPeerError(f"no KV handshake with decode worker {order.decode_worker_id!r}: handshake again")
         if not is_granted(self._order_keys.get(order.decode_worker_id), order):
             raise PermissionDeniedError(f"order for {order.request.request_id!r} carries no valid write grant of "
                                         f"{order.decode_worker_id!r}")
+        self._check_fresh(order, deadline)
         lora_id = order.request.lora_id
         if lora_id is not None and lora_id not in self._lora_ids():
             raise IncompatiblePeerError(f"LoRA adapter {lora_id} of {order.request.request_id!r} is not loaded on "
                                         "this prefill worker: its KV would be another model's")
-        first = await self._first_output(order)
+        first = await self._first_output(order, start_by, deadline)
         request_id = order.request.request_id
         transfer: asyncio.Future | None = None
         try:
@@ -103,11 +108,8 @@ class PrefillService:
                 raise InvalidRequestError(
                     f"prompt has {len(held)} blocks; cannot send {len(order.dest_block_ids)} from block "
                     f"{order.first_block}", "dest_block_ids")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferError(f"deadline passed before writing {request_id!r}")
             started = time.perf_counter()
-            transfer = asyncio.ensure_future(asyncio.to_thread(self._write, order, source, remaining))
+            transfer = asyncio.ensure_future(asyncio.to_thread(self._write, order, source, deadline))
             await asyncio.shield(transfer)  # a call cancelled mid-write leaves the write to finish or stop
             self._metrics.transfer_seconds.observe(time.perf_counter() - started)
         finally:
@@ -116,9 +118,27 @@ class PrefillService:
         logprob = first.logprobs[0] if first.logprobs else None
         return PrefillResult(first.token_ids[0], logprob, first.num_cached_tokens, len(source), num_bytes)
 
-    def _write(self, order: PrefillOrder, source: list, timeout_s: float) -> None:
+    def _check_fresh(self, order: PrefillOrder, deadline: float) -> None:
+        """Refuse a replayed order; remember this one's nonce until its deadline has passed (a
+        replay after that is refused as late)."""
+        now = time.monotonic()
+        for nonce in [n for n, until in self._nonces.items() if until < now]:
+            del self._nonces[nonce]
+        if not order.nonce or len(order.nonce) > MAX_NONCE_BYTES:
+            raise PermissionDeniedError(f"order for {order.request.request_id!r} carries no nonce "
+                                        f"(1 to {MAX_NONCE_BYTES} bytes)")
+        if order.nonce in self._nonces:
+            raise PermissionDeniedError(f"order for {order.request.request_id!r} was sent before (a replayed nonce)")
+        self._nonces[order.nonce] = deadline
+
+    def _write(self, order: PrefillOrder, source: list, deadline: float) -> None:
         """On a worker thread: NIXL's post and progress calls may block for a whole copy, and the
-        event loop keeps serving gRPC meanwhile. Raises _Unstoppable when the write may still run."""
+        event loop keeps serving gRPC meanwhile. The budget is what is left of `deadline`
+        (time.monotonic()) now, after the wait for this thread. Raises _Unstoppable when the
+        write may still run."""
+        timeout_s = deadline - time.monotonic()
+        if timeout_s <= 0:
+            raise TransferError(f"deadline passed before writing {order.request.request_id!r}")
         handle = self._transport.write_blocks(order.decode_worker_id, source, order.dest_block_ids, b"", timeout_s)
         try:
             self._transport.wait(handle)
@@ -144,16 +164,32 @@ class PrefillService:
         else:
             transfer.add_done_callback(release)
 
-    async def _first_output(self, order: PrefillOrder):
+    async def _first_output(self, order: PrefillOrder, start_by: float, deadline: float):
         first = None
-        async with aclosing(self._engine.generate(order.request, prefill_only=True,
-                                                  hold_lease_s=order.timeout_s)) as outputs:
+        hold_lease_s = deadline - time.monotonic()
+        async with aclosing(self._engine.generate(order.request, prefill_only=True, hold_lease_s=hold_lease_s,
+                                                  start_by=start_by)) as outputs:
             async for output in outputs:
                 first = output
         if first is None or first.finish_reason in ("abort", "error") or not first.token_ids:
             raise WorkerError(f"prefill of {order.request.request_id!r} failed: "
                               f"{first.error if first else 'no output'}")
         return first
+
+
+def _local_times(order: PrefillOrder) -> tuple[float, float]:
+    """The order's start-by time and deadline on time.monotonic()'s clock; InvalidRequestError
+    (nothing computed) for a deadline that has passed, is not finite, or lies more than
+    MAX_ORDER_TIMEOUT_S ahead, and for a start-by time after the deadline."""
+    wall, now = time.time(), time.monotonic()
+    remaining = order.deadline - wall
+    if not (math.isfinite(remaining) and 0 < remaining <= MAX_ORDER_TIMEOUT_S):  # the hold's lease too
+        why = "has passed" if remaining <= 0 else f"must be at most {MAX_ORDER_TIMEOUT_S:g} seconds ahead"
+        raise InvalidRequestError(f"deadline={order.deadline!r} {why} (now {wall:.3f})", "deadline")
+    start_in = order.latest_start - wall
+    if not (math.isfinite(start_in) and start_in <= remaining):
+        raise InvalidRequestError(f"start_by={order.start_by!r}: must not be after the deadline", "start_by")
+    return now + start_in, now + remaining
 
 
 class _Unstoppable(TransferError):

@@ -57,7 +57,9 @@ def build_role(settings: WorkerSettings, threaded: ThreadedEngine, metrics: Tran
     peers = PrefillPeers(transport, deployment_id=deployment, tls=tls, lora_ids=lora_ids)
     config = DisaggConfig(WorkerId(settings.peer_name), settings.disagg_min_prefill_tokens,
                           settings.kv_transfer_timeout_s,
-                          recompute_on_failure=settings.kv_transfer_failure == "recompute")
+                          recompute_on_failure=settings.kv_transfer_failure == "recompute",
+                          prefill_queue_timeout_s=settings.prefill_queue_timeout_s,
+                          max_prefill_queue=settings.max_prefill_queue)
     return RoleParts(DecodeEngine(threaded, peers, config, metrics), [], transport, peers)
 
 

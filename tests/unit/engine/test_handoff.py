@@ -200,3 +200,29 @@ def test_only_sequences_whose_kv_has_not_landed_await_it():
     _copy_kv(p, d, p.held_block_ids(req.request_id), claim.block_ids)
     d.complete_remote(req.request_id, first)
     assert d.handoffs.num_awaiting_kv == 0
+
+
+def test_a_prefill_still_queued_at_its_start_by_time_ends_unstarted_and_computes_nothing():
+    clock = [0.0]
+    p = make_engine()
+    p._clock = lambda: clock[0]
+    p.add_request(request("late", list(range(10, 31))), prefill_only=True, hold_lease_s=5.0, start_by=1.0)
+    p.add_request(request("free", list(range(40, 61))), prefill_only=True, hold_lease_s=5.0)  # no bound
+    assert p.reap_expired_leases() == []  # not yet
+    clock[0] = 1.0
+    (out,) = p.reap_expired_leases()
+    assert (out.request_id, out.finish_reason) == ("late", "error")
+    assert out.error == "not started within its queue bound (waited 1.0 s)"
+    assert [s.request.request_id for s in p.scheduler.waiting] == ["free"]
+    assert p.kv.num_used_blocks == 0
+    p.kv.check_integrity()
+
+
+def test_a_prefill_that_started_before_its_start_by_time_is_not_ended_by_it():
+    clock = [0.0]
+    p = make_engine()
+    p._clock = lambda: clock[0]
+    p.add_request(request("r", list(range(10, 31))), prefill_only=True, hold_lease_s=5.0, start_by=1.0)
+    outs = p.step()  # the whole prompt in one step: held for the peer
+    clock[0] = 2.0
+    assert p.reap_expired_leases() == [] and len(p.held_block_ids(RequestId("r"))) == len(outs[0].held_block_ids)

@@ -196,6 +196,21 @@ def test_bad_timeout_is_refused_before_anything_is_posted(prefill: FakeTransport
     assert prefill.posted == []
 
 
+def test_a_write_whose_time_ran_out_waiting_for_the_transport_is_never_posted(
+        prefill: FakeTransport, decode: FakeTransport, clock: Clock) -> None:
+    class SlowLock:  # another thread holds the transport's lock for 6 s of the clock
+        def __enter__(self) -> None:
+            clock.now += 6.0
+
+        def __exit__(self, *exc_info: object) -> None:
+            pass
+
+    prefill._lock = SlowLock()
+    with pytest.raises(TransferError, match="not posted: its 5 s passed waiting for the transport"):
+        prefill.write_blocks(D, ids(0), ids(0), b"", timeout_s=5)
+    assert prefill.posted == []
+
+
 def test_notify_must_be_bytes(prefill: FakeTransport, decode: FakeTransport) -> None:
     with pytest.raises(InvalidRequestError) as raised:
         prefill.write_blocks(D, ids(0), ids(0), "req-1", timeout_s=5)

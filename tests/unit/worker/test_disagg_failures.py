@@ -5,6 +5,7 @@ import contextlib
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -66,7 +67,8 @@ class Pair:
                                 KvLayoutSpec.for_tensor("tiny", self.d.engine.runner.kv_tensor), fabric)
         self.metrics = TransferMetrics()
         self.decode = DecodeEngine(self.d, PrefillPeers(self.td),
-                                   DisaggConfig(WorkerId("d"), 1, transfer_timeout_s, 0.5, recompute), self.metrics)
+                                   DisaggConfig(WorkerId("d"), 1, transfer_timeout_s, 0.5, recompute,
+                                                prefill_queue_timeout_s=1.0), self.metrics)
 
     async def start(self) -> str:
         self.server = grpc.aio.server()
@@ -321,5 +323,19 @@ def test_a_handshake_that_hangs_delays_only_the_requests_for_that_address(checkp
             await hanging
         silent.close()
         await peers.close()
+
+    _run(checkpoint, body)
+
+
+def test_orders_beyond_the_prefill_queue_bound_are_prefilled_here(checkpoint):
+    async def body(pair, address):
+        pair.decode._config = replace(pair.decode._config, max_prefill_queue=1)
+        answers = await asyncio.gather(*(_collect(pair.decode.generate(_request(f"r{i}"), address))
+                                         for i in range(2)))
+        assert sorted(a[0].prefilled_by for a in answers) == sorted([address, "local"])
+        assert pair.metrics.local_prefills.labels("prefill_queue_full")._value.get() == 1
+        assert answers[0][0].token_ids == answers[1][0].token_ids
+        assert pair.decode._queued == {}  # every order counted is uncounted again
+        assert await _until(lambda: pair.used() == (0, 0))
 
     _run(checkpoint, body)

@@ -4,6 +4,7 @@ both workers hold is prefilled remotely with the adapter's tokens; one under an 
 prefill worker lacks is prefilled locally (`lora_mismatch`), never with another model's KV; an
 adapter both load after the handshake is prefilled remotely once the decode worker re-handshakes."""
 import asyncio
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -25,6 +26,7 @@ from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.disagg import DecodeEngine, DisaggConfig
 from pdserve.worker.kv.peers import PrefillPeers
+from pdserve.worker.kv.write_grants import new_nonce
 from pdserve.worker.lora_registry import LoraRegistry
 from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.prefill_service import PrefillService
@@ -141,7 +143,8 @@ def test_an_adapter_loaded_after_the_handshake_is_prefilled_remotely(family):
 def test_a_prefill_order_under_an_adapter_the_worker_lacks_is_refused(family):
     async def body(w):
         b = await w.d_loras.load("b", f"{w.folder}/b")
-        order = PrefillOrder(_request("r", b.lora_id), WorkerId("d"), 0, tuple(BlockId(i) for i in range(6)), 5.0)
+        order = PrefillOrder(_request("r", b.lora_id), WorkerId("d"), 0, tuple(BlockId(i) for i in range(6)),
+                             time.time() + 5.0, nonce=new_nonce())
         peer = await w.peers.get(w.address)  # a handshake, so the order is not refused as from a stranger
         with pytest.raises(IncompatiblePeerError, match="not loaded on this prefill worker"):
             await peer.prefill(order, 5.0)

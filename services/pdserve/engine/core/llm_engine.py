@@ -70,18 +70,21 @@ class LLMEngine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def add_request(self, request: GenerationRequest, prefill_only: bool = False, hold_lease_s: float = 30.0,
-                    arrival_s: float | None = None) -> None:
+                    arrival_s: float | None = None, start_by: float | None = None) -> None:
         """Queue a request; InvalidRequestError / DuplicateRequestError leave the engine unchanged.
 
         `prefill_only`: finish after the first token and keep the blocks (HELD) until
         `release_held` or the lease ends, so a peer can receive the prompt's KV.
         `arrival_s`: when the worker received it, on this engine's clock (None: now).
+        `start_by`: a request still queued then is ended with an error, nothing computed (a
+        peer's prefill order bounds its wait so; this engine's clock).
         """
         self._validate(request)
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids), arrival_s)
         seq.cache_request().validate()
         seq.prefill_only = prefill_only
         seq.hold_lease_s = hold_lease_s
+        seq.start_by = start_by
         self._requests[request.request_id] = [seq]
         self.scheduler.add(seq)
 
@@ -180,7 +183,10 @@ class LLMEngine:
         return claim
 
     def complete_remote(self, request_id: RequestId, first_token: int, logprob=None) -> list[RequestOutput]:
-        """Decode side: the prompt's KV has landed; the first token (sampled by the peer) is emitted."""
+        """Decode side: the prompt's KV has landed; the first token (sampled by the peer) is emitted.
+        Nothing happens once the lease has ended (the request ended then)."""
+        if self.handoffs.get(request_id) is None:
+            return []
         seq = self.handoffs.complete(request_id)
         if seq.aborted:
             return []
@@ -191,7 +197,10 @@ class LLMEngine:
     def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> list[RequestOutput]:
         """Decode side: the transfer failed, but a write may still land in the reserved blocks (a
         cancelled transfer is no proof that no byte arrives). They are quarantined until the lease
-        ends, never published; the request recomputes into fresh blocks or ends with an error."""
+        ends, never published; the request recomputes into fresh blocks or ends with an error.
+        Nothing happens once the lease has ended (the request ended then)."""
+        if self.handoffs.get(request_id) is None:
+            return []
         seq = self.handoffs.fail(request_id)
         if seq.aborted:
             return []
@@ -213,12 +222,25 @@ class LLMEngine:
         self.handoffs.release(request_id)
 
     def reap_expired_leases(self) -> list[RequestOutput]:
-        """Free blocks held for a peer, or quarantined, past their lease (runs every loop
-        iteration, idle or not)."""
+        """Free blocks held for a peer, or quarantined, past their lease, and end the requests
+        still queued past their start-by time (runs every loop iteration, idle or not)."""
         outputs = []
         for seq in self.handoffs.expire():
             outputs += self.fail_remote(seq.request.request_id, recompute=False, reason="KV transfer lease expired")
         self.handoffs.free_quarantine()
+        return outputs + self._end_unstarted()
+
+    def _end_unstarted(self) -> list[RequestOutput]:
+        now = self._clock()
+        late = [seq for seq in self.scheduler.waiting
+                if seq.start_by is not None and seq.start_by <= now and seq.times.scheduled_s is None]
+        outputs = []
+        for seq in late:
+            self._requests.pop(seq.request.request_id, None)
+            self.scheduler.remove(seq)
+            waited = now - seq.times.arrival_s
+            outputs.append(replace(self._output(seq, (), "", "error"),
+                                   error=f"not started within its queue bound (waited {waited:.1f} s)"))
         return outputs
 
     @property

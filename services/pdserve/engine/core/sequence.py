@@ -41,6 +41,7 @@ class Sequence:
     prefill_only: bool = False  # stop after the first token and hold the blocks for a peer
     hold_lease_s: float = 30.0  # how long HELD blocks wait for the peer
     lease_deadline: float | None = None  # REMOTE_PREFILL / HELD blocks are freed after this
+    start_by: float | None = None  # still WAITING then (never run): ended with an error
     aborted: bool = False
     # Prompt logprobs by prompt position (1..), filled chunk by chunk while the prompt is computed;
     # siblings forked after the prefill share the first sequence's.

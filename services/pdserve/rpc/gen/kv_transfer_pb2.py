@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.rpc.gen import request_pb2 as pdserve_dot_v1_dot_request__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x18pdserve/v1/request.proto\"s\n\x10HandshakeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x11\n\torder_key\x18\x04 \x01(\x0c\x12\x10\n\x08lora_ids\x18\x1e \x03(\x03\"a\n\x11HandshakeResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x10\n\x08lora_ids\x18\x1e \x03(\x03\"\xa7\x01\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65st_block_ids\x18\x04 \x03(\r\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\r\n\x05grant\x18\x06 \x01(\x0c\"\xa4\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12.\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprobH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x42\n\n\x08_logprob2\x9a\x01\n\nKvTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x18pdserve/v1/request.proto\"s\n\x10HandshakeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x11\n\torder_key\x18\x04 \x01(\x0c\x12\x10\n\x08lora_ids\x18\x1e \x03(\x03\"a\n\x11HandshakeResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x10\n\x08lora_ids\x18\x1e \x03(\x03\"\xcd\x01\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65st_block_ids\x18\x04 \x03(\r\x12\x10\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x01\x12\x10\n\x08start_by\x18\x08 \x01(\x01\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\r\n\x05grant\x18\x06 \x01(\x0cJ\x04\x08\x05\x10\x06\"\xa4\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12.\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprobH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x42\n\n\x08_logprob2\x9a\x01\n\nKvTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKERESPONSE']._serialized_start=187
   _globals['_HANDSHAKERESPONSE']._serialized_end=284
   _globals['_PREFILLREQUEST']._serialized_start=287
-  _globals['_PREFILLREQUEST']._serialized_end=454
-  _globals['_PREFILLRESPONSE']._serialized_start=457
-  _globals['_PREFILLRESPONSE']._serialized_end=621
-  _globals['_KVTRANSFER']._serialized_start=624
-  _globals['_KVTRANSFER']._serialized_end=778
+  _globals['_PREFILLREQUEST']._serialized_end=492
+  _globals['_PREFILLRESPONSE']._serialized_start=495
+  _globals['_PREFILLRESPONSE']._serialized_end=659
+  _globals['_KVTRANSFER']._serialized_start=662
+  _globals['_KVTRANSFER']._serialized_end=816
 # @@protoc_insertion_point(module_scope)

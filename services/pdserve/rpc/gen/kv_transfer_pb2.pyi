@@ -34,20 +34,24 @@ class HandshakeResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., metadata: _Optional[bytes] = ..., deployment_id: _Optional[str] = ..., lora_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "decode_worker_id", "first_block", "dest_block_ids", "timeout_s", "grant")
+    __slots__ = ("request", "decode_worker_id", "first_block", "dest_block_ids", "deadline", "start_by", "nonce", "grant")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    START_BY_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     request: _request_pb2.GenerateRequest
     decode_worker_id: str
     first_block: int
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    timeout_s: float
+    deadline: float
+    start_by: float
+    nonce: bytes
     grant: bytes
-    def __init__(self, request: _Optional[_Union[_request_pb2.GenerateRequest, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., first_block: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., grant: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[_request_pb2.GenerateRequest, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., first_block: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., deadline: _Optional[float] = ..., start_by: _Optional[float] = ..., nonce: _Optional[bytes] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "logprob", "num_cached_tokens", "num_blocks", "num_bytes")

@@ -135,6 +135,18 @@ def test_disconnect_reaches_the_worker(router: tuple[str, subprocess.Popen[bytes
     assert backend.closed_early.wait(WAIT_S)
 
 
+def test_a_loopback_router_answers_only_requests_naming_a_loopback_host(
+        router: tuple[str, subprocess.Popen[bytes]]) -> None:
+    """A web page whose name was re-pointed at 127.0.0.1 (DNS rebinding) names its own host."""
+    body = {"model": "words", "prompt": "Hi", "max_tokens": 1}
+    rebound = httpx.post(f"{router[0]}/v1/completions", json=body, headers={"Host": "attacker.example:8000"},
+                         timeout=30)
+    assert rebound.status_code == 400 and "is not served here" in rebound.json()["error"]["message"]
+    port = router[0].rsplit(":", 1)[1]
+    assert httpx.post(f"{router[0]}/v1/completions", json=body, headers={"Host": f"localhost:{port}"},
+                      timeout=30).status_code == 200
+
+
 def test_sigterm_stops_the_router_cleanly(router: tuple[str, subprocess.Popen[bytes]]) -> None:
     process = router[1]
     process.send_signal(signal.SIGTERM)

@@ -253,6 +253,10 @@ class RouterSettings:
                                 help="directory keeping GGUF conversions for fast restarts ('' turns it off)")
     host: str = opt("127.0.0.1", parse=cv.parse_str, help="HTTP listen address")
     port: int = opt(8000, parse=cv.parse_int, help="HTTP listen port")
+    allowed_hosts: tuple[str, ...] = opt((), parse=cv.parse_names,
+                                         help="host names a request's Host header may name, comma-separated ('*': "
+                                              "any); default: on a loopback --host only loopback names (a web page "
+                                              "cannot reach the server by DNS rebinding), else any")
     workers: tuple[str, ...] = opt((), parse=cv.parse_addresses, flag="worker",
                                    help="worker gRPC address(es), comma-separated host:port (default: "
                                         f"{DEFAULT_WORKER} unless --worker-dns is given)")

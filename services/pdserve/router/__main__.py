@@ -5,8 +5,8 @@ Exit status: 0 after a clean stop (SIGINT/SIGTERM), 2 for a bad setting (an unus
 `--api-keys-file` included), a `--port` in use, or workers that
 disagree (model, block size, block-key algorithm), 1 when no decode-capable worker can be
 reached within `--worker-wait-timeout` (a worker of another `--deployment-id` is never admitted).
-Every call to a worker is mutual TLS under `--tls-dir`'s certificate, or plain text with
-`--insecure-internal` (logged as a warning).
+Every call to a worker is mutual TLS under `--tls-dir`'s certificate (of role router), or
+plain text with `--insecure-internal` (logged as a warning).
 """
 import asyncio
 import logging
@@ -20,12 +20,14 @@ import uvicorn
 
 from pdserve.common.errors import ConfigError, WorkerUnavailableError
 from pdserve.common.ids import DeploymentId
+from pdserve.common.pki import Role
 from pdserve.common.ports import check_port_free
 from pdserve.common.settings import RouterSettings, resolve_router_settings
 from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls
 from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 from pdserve.models.generation_config import generation_defaults
 from pdserve.router.openai.app import create_app
+from pdserve.router.openai.access.hosts import allowed_hosts
 from pdserve.router.openai.access.keys import ApiKeys, load_api_keys
 from pdserve.router.routing.cluster import Cluster, ClusterConfig
 from pdserve.router.routing.cost import CostWeights
@@ -45,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = resolve_router_settings(argv)
         check_port_free("--port", settings.host, settings.port)  # now, not after waiting for the workers
         api_keys = load_api_keys(settings.api_key, settings.api_keys_file) if settings.has_api_keys else None
-        tls = resolve_tls(settings.tls_dir, settings.insecure_internal)
+        tls = resolve_tls(settings.tls_dir, settings.insecure_internal, Role.ROUTER)
         tokenizer = load_tokenizer(settings.model, settings.cache_dir)
     except ConfigError as err:
         print(f"pdserve router: {err}", file=sys.stderr)
@@ -92,7 +94,8 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer, api_keys: ApiKe
     app = create_app(backend, tokenizer, info, settings.served_model_name, limits, routing=backend,
                      api_keys=api_keys, protect_metrics=settings.protect_metrics, sampling_defaults=sampling_defaults,
                      tool_calls=ToolCallConfig(settings.enable_auto_tool_choice, settings.tool_call_parser),
-                     loras=backend, runtime_lora_updating=runtime_lora_updating(settings))
+                     loras=backend, runtime_lora_updating=runtime_lora_updating(settings),
+                     allowed_hosts=allowed_hosts(settings.host, settings.allowed_hosts))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5)
     names = settings.served_model_name or (info.model_name,)

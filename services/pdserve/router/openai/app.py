@@ -18,7 +18,7 @@ order) and the routing backend's session header, if configured, pins a session t
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import MappingProxyType
 
@@ -34,6 +34,7 @@ from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.router.backend import GenerateBackend, LoraAdapters, Routing
 from pdserve.router.openai.admission import PendingLimit
 from pdserve.router.openai.access.guard import RequireApiKey, is_admin, tenant_of
+from pdserve.router.openai.access.hosts import RequireAllowedHost
 from pdserve.router.openai.access.keys import ApiKeys
 from pdserve.router.openai.chat import create_chat_completion
 from pdserve.router.openai.completions import create_completion
@@ -75,6 +76,7 @@ def create_app(
     tool_calls: ToolCallConfig = ToolCallConfig(),
     loras: LoraAdapters | None = None,
     runtime_lora_updating: bool = False,
+    allowed_hosts: Collection[str] | None = None,
 ) -> FastAPI:
     """An app serving `info`'s model (under `model_names` if given, the first reported in responses);
     it closes `backend` on shutdown.
@@ -84,7 +86,8 @@ def create_app(
     `sampling_defaults`: the model's, for fields a request leaves unset (`sampling.checked_defaults`).
     `tool_calls`: whether `tool_choice: "auto"` is served, and how tool calls are read back.
     `loras`: the LoRA adapters served (None: none; loads answer 400); `runtime_lora_updating`:
-    serve the routes that load and unload them (else they do not exist, as in vLLM)."""
+    serve the routes that load and unload them (else they do not exist, as in vLLM).
+    `allowed_hosts`: the `Host` names a request may give (None: any; `access/hosts.py`)."""
     ctx = ServingContext(backend, tokenizer, info, tuple(model_names) or (info.model_name,), limits,
                          RouterMetrics(), LogprobFormatter(tokenizer), tool_calls=tool_calls,
                          sampling_defaults=MappingProxyType(dict(sampling_defaults or {})), loras=loras)
@@ -107,7 +110,9 @@ def create_app(
     if api_keys is not None:  # outside the pending limit: a refused caller never takes a slot
         also = _TOKENIZER_ROUTES | ({"/metrics"} if protect_metrics else set())
         app.add_middleware(RequireApiKey, keys=api_keys, also=also)
-    app.add_middleware(_CountRequests, metrics=ctx.metrics)  # the outer one: refusals are counted too
+    app.add_middleware(_CountRequests, metrics=ctx.metrics)  # refusals are counted too
+    if allowed_hosts is not None:  # the outermost: a request from a rebound name reaches nothing
+        app.add_middleware(RequireAllowedHost, hosts=allowed_hosts)
     _add_generation_routes(app, ctx, routing)
     _add_tokenizer_routes(app, ctx)
     _add_status_routes(app, ctx)

@@ -88,10 +88,10 @@ async def _calls(tls: TlsConfig | None, num_calls: int) -> dict[str, float]:
         firsts = []
         for _ in range(20):
             started = time.perf_counter()
-            async with aio_channel(f"127.0.0.1:{port}", tls) as channel:
+            async with aio_channel(f"127.0.0.1:{port}", tls, pki.WORKER_NAME) as channel:
                 await channel.unary_unary(ECHO)(payload, timeout=10)
             firsts.append(time.perf_counter() - started)
-        async with aio_channel(f"127.0.0.1:{port}", tls) as channel:
+        async with aio_channel(f"127.0.0.1:{port}", tls, pki.WORKER_NAME) as channel:
             call = channel.unary_unary(ECHO)
             await call(payload, timeout=10)
             started = time.perf_counter()
@@ -108,7 +108,7 @@ async def _echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
 
 
 def grpc_calls(num_calls: int) -> list[dict]:
-    tls = TlsConfig.from_issued(pki.Authority.create("bench authority").issue("bench"))
+    tls = TlsConfig.from_issued(pki.Authority.create("bench authority").issue("bench", pki.Role.BOTH))
     return [{"system": name, "workload": "grpc_call", **asyncio.run(_calls(config, num_calls))}
             for name, config in (("tls", tls), ("plain", None))]
 

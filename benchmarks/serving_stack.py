@@ -5,8 +5,9 @@ until it serves, records its start-to-ready time, reads its peak RSS (VmHWM from
 stops every process it started when the `with` block ends (router first, SIGINT, then kill);
 `stop` ends one before that, so routers can take turns on the same workers.
 The internal plane is mutual TLS, as users run it: the stack makes an authority and gives each
-process a certificate of its name (a worker's name is its worker id); `insecure=True` runs it
-in plain text instead (`--insecure-internal`), for measuring what TLS costs.
+process a certificate of its name (a worker's name is its worker id) in its role (a worker's
+`--role`); its readiness checks hold a probe's certificate; `insecure=True` runs it in plain
+text instead (`--insecure-internal`), for measuring what TLS costs.
 Also builds the random-weight 160M Llama checkpoint (`--random-160m`).
 """
 import contextlib
@@ -102,19 +103,21 @@ class ServingStack:
         self.log_dir = log_dir
         self._running: dict[int, tuple[subprocess.Popen, IO[bytes]]] = {}  # by pid, in start order
         self._authority = None if insecure else pki.Authority.create("pdserve benchmark")
-        self._probe_tls = self._tls_flags("probe", "probe")[1] if self._authority else None
+        self._probe_tls = self._tls_flags("probe", pki.Role.PROBE, "probe")[1] if self._authority else None
 
-    def _tls_flags(self, identity: str, folder_name: str) -> list[str]:
-        """`--tls-dir` with a fresh certificate of `identity`, or `--insecure-internal`."""
+    def _tls_flags(self, identity: str, role: pki.Role, folder_name: str) -> list[str]:
+        """`--tls-dir` with a fresh certificate of `identity` in `role`, or `--insecure-internal`."""
         if self._authority is None:
             return ["--insecure-internal"]
-        folder = self._authority.issue(identity, ("127.0.0.1",)).write(self.log_dir / "tls" / folder_name)
-        return ["--tls-dir", str(folder)]
+        issued = self._authority.issue(identity, role, ("127.0.0.1",))
+        return ["--tls-dir", str(issued.write(self.log_dir / "tls" / folder_name))]
 
     def client_tls(self) -> TlsConfig | None:
         """Credentials of this stack's authority for a client of its workers (the benchmark's own
-        gRPC load); None when the stack runs in plain text."""
-        return None if self._probe_tls is None else TlsConfig.from_dir(self._probe_tls)
+        gRPC load, which calls them as a router does); None when the stack runs in plain text."""
+        if self._authority is None:
+            return None
+        return TlsConfig.from_dir(self._tls_flags("bench-client", pki.Role.ROUTER, "bench-client")[1])
 
     def __enter__(self) -> Self:
         return self
@@ -152,7 +155,7 @@ class ServingStack:
         """A `pdserve worker` on a free loopback port; `flags` must not set --host/--port."""
         address = f"127.0.0.1:{free_port()}"
         host, port = address.split(":")
-        tls = self._tls_flags(name, name)
+        tls = self._tls_flags(name, pki.Role(_flag_value(flags, "--role", "both")), name)
         return self._start(name, "worker", ["--host", host, "--port", port, *tls, *flags], address,
                            lambda: _is_worker_serving(address, self._probe_tls))
 
@@ -162,9 +165,20 @@ class ServingStack:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         worker_flags = [arg for w in workers for arg in ("--worker", w.address)]
-        tls = self._tls_flags("router", name)
+        tls = self._tls_flags("router", pki.Role.ROUTER, name)
         return self._start(name, "router", ["--port", str(port), *worker_flags, *tls, *flags], url,
                            lambda: _is_router_serving(url))
+
+
+def _flag_value(flags: list[str], flag: str, default: str) -> str:
+    """The value `flags` give `flag` (`--flag value` or `--flag=value`, the last one wins)."""
+    value = default
+    for i, arg in enumerate(flags):
+        if arg == flag and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _tail(path: str, num_chars: int = 3000) -> str:

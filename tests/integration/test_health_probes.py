@@ -59,7 +59,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def worker(checkpoint: Path, tmp_path: Path) -> Iterator[Worker]:
-    assert certs_main(["--out", str(tmp_path / "tls"), "--identity", "decode-0", "--identity", "router"]) == 0
+    assert certs_main(["--out", str(tmp_path / "tls"), "--both", "decode-0", "--router", "router"]) == 0
     port, health_port = free_port(), free_port()
     stall = tmp_path / "stall"
     process = subprocess.Popen(

@@ -2,8 +2,9 @@
 
 Every method of every worker refuses a caller without a certificate of serve's authority (plain
 text, no client certificate, or one of another authority); a caller with a valid certificate of
-another identity (the router's) can neither replace a peer nor order writes into a decode
-worker's blocks; and requests still complete with KV moved from the prefill worker.
+another role (the router's) or of another identity (the decode worker's, speaking for another)
+can neither replace a peer nor order writes into a decode worker's blocks; and requests still
+complete with KV moved from the prefill worker.
 """
 import json
 import subprocess
@@ -21,6 +22,8 @@ from pdserve.rpc.gen import kv_events_pb2, kv_transfer_pb2, request_pb2, worker_
 from tests.fuzz.worker_calls import call_raw
 from tests.integration.stack import (
     banner_address,
+    children_of,
+    command_of,
     free_port,
     make_tiny_checkpoint,
     serve_credentials_dir,
@@ -32,6 +35,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CALL_TIMEOUT_S = 10.0
 PROMPT = "The history of the city is long. " * 6  # a few blocks: the prefill worker computes it
 WORKER_METHODS = [m for m in worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods]
+LORA_METHODS = [m for m in worker_pb2.DESCRIPTOR.services_by_name["LoraAdapters"].methods]
 EVENT_METHODS = [m for m in kv_events_pb2.DESCRIPTOR.services_by_name["KvEvents"].methods]
 TRANSFER_METHODS = [m for m in kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].methods]
 
@@ -46,6 +50,14 @@ class Serve:
     @property
     def router_tls(self) -> TlsConfig:
         return TlsConfig.from_dir(serve_credentials_dir(self.process.pid))
+
+    def credentials_of(self, role: pki.Role) -> TlsConfig:
+        """The credentials serve gave its process of `role` (from its --tls-dir)."""
+        for pid in children_of(self.process.pid):
+            args = command_of(pid).split()
+            if "--tls-dir" in args and (tls := TlsConfig.from_dir(args[args.index("--tls-dir") + 1])).role == role:
+                return tls
+        raise AssertionError(f"serve runs no process of role {role}")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +94,7 @@ def outsiders(serve: Serve) -> dict[str, grpc.ChannelCredentials | None]:
     """Callers without a certificate of serve's authority: plain text, TLS that trusts the
     server but shows no certificate, and a certificate of another authority."""
     ours = serve.router_tls
-    stranger = pki.Authority.create("another deployment").issue("router")
+    stranger = pki.Authority.create("another deployment").issue("router", pki.Role.ROUTER)
     return {
         "plain text": None,
         "no client certificate": grpc.ssl_channel_credentials(root_certificates=ours.ca_cert),
@@ -118,31 +130,56 @@ def test_every_method_of_every_worker_refuses_a_caller_without_a_certificate_of_
     assert code == grpc.StatusCode.OK
 
 
-def test_another_identity_cannot_replace_a_peer_or_order_writes_into_its_blocks(serve: Serve) -> None:
-    before, _ = complete(serve.url)
-    tls = serve.router_tls
-    assert tls.identity == "router"
-    decode_id = f"decode@{serve.decode}"
-    credentials = grpc.ssl_channel_credentials(tls.ca_cert, tls.key, tls.cert)
-    handshake = kv_transfer_pb2.HandshakeRequest(worker_id=decode_id, metadata=b"x", order_key=b"k" * 32)
+def test_a_prefill_workers_certificate_calls_nothing_of_the_routers_on_a_decode_worker(serve: Serve) -> None:
+    """Not Generate naming a prefill address of its choosing, nor Abort, nor adapters, nor KV events."""
+    prefill = serve.credentials_of(pki.Role.PREFILL)
+    credentials = grpc.ssl_channel_credentials(prefill.ca_cert, prefill.key, prefill.cert)
+    with grpc.secure_channel(serve.decode, credentials) as ch:
+        refused = {method.name: call_raw(ch, path_of(method), b"", method.server_streaming, CALL_TIMEOUT_S, 1)
+                   for method in WORKER_METHODS + LORA_METHODS + EVENT_METHODS}
+    assert {name: code for name, (code, _) in refused.items()} == {
+        name: grpc.StatusCode.PERMISSION_DENIED for name in refused}
+    assert refused["Generate"][1].endswith(
+        f"/pdserve.v1.Worker/Generate is open to router; the caller 'prefill@{serve.prefill}' has role 'prefill'")
+
+
+def forged(worker_id: str, deployment_id: str = "") -> list[tuple[str, bytes]]:
+    """A handshake as `worker_id`, and an order to write into its blocks 0 and 1."""
+    handshake = kv_transfer_pb2.HandshakeRequest(worker_id=worker_id, metadata=b"x", order_key=b"k" * 32,
+                                                 deployment_id=deployment_id)
     order = kv_transfer_pb2.PrefillRequest(
         request=request_pb2.GenerateRequest(request_id="forged", prompt_token_ids=list(range(1, 40)),
                                             sampling=request_pb2.SamplingParams(max_tokens=1, n=1, top_p=1.0)),
-        decode_worker_id=decode_id, first_block=0, dest_block_ids=[0, 1], timeout_s=5.0, grant=b"g" * 32)
-    with grpc.secure_channel(serve.prefill, credentials) as ch:
-        for path, message in (("/pdserve.v1.KvTransfer/Handshake", handshake),
-                              ("/pdserve.v1.KvTransfer/Prefill", order)):
-            code, details = call_raw(ch, path, message.SerializeToString(), False, CALL_TIMEOUT_S)
+        decode_worker_id=worker_id, first_block=0, dest_block_ids=[0, 1], grant=b"g" * 32)
+    return [("/pdserve.v1.KvTransfer/Handshake", handshake.SerializeToString()),
+            ("/pdserve.v1.KvTransfer/Prefill", order.SerializeToString())]
+
+
+def test_another_role_or_identity_cannot_replace_a_peer_or_order_writes_into_its_blocks(serve: Serve) -> None:
+    before, _ = complete(serve.url)
+    router, decode = serve.router_tls, serve.credentials_of(pki.Role.DECODE)
+    assert (router.identity, decode.identity) == ("router", f"decode@{serve.decode}")
+    credentials = grpc.ssl_channel_credentials(router.ca_cert, router.key, router.cert)
+    with grpc.secure_channel(serve.prefill, credentials) as ch:  # the router's certificate: not a decode worker
+        for path, message in forged(decode.identity):
+            code, details = call_raw(ch, path, message, False, CALL_TIMEOUT_S)
             assert code == grpc.StatusCode.PERMISSION_DENIED, (path, code, details)
-            assert "identity 'router' may not" in details and decode_id in details
-        own = kv_transfer_pb2.HandshakeRequest(worker_id="router", metadata=b"x", deployment_id="another")
-        code, details = call_raw(ch, "/pdserve.v1.KvTransfer/Handshake", own.SerializeToString(), False,
-                                 CALL_TIMEOUT_S)
+            assert details.endswith(f"{path} is open to decode; the caller 'router' has role 'router'"), details
+    prefill_id = f"prefill@{serve.prefill}"
+    credentials = grpc.ssl_channel_credentials(decode.ca_cert, decode.key, decode.cert)
+    with grpc.secure_channel(serve.prefill, credentials) as ch:
+        for path, message in forged(prefill_id):  # a decode worker's certificate speaks for it alone
+            code, details = call_raw(ch, path, message, False, CALL_TIMEOUT_S)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (path, code, details)
+            assert f"identity {decode.identity!r} may not" in details and prefill_id in details
+        (_, handshake), _ = forged(decode.identity, deployment_id="another")
+        code, details = call_raw(ch, "/pdserve.v1.KvTransfer/Handshake", handshake, False, CALL_TIMEOUT_S)
         assert code == grpc.StatusCode.PERMISSION_DENIED and "deployment 'another'" in details
     after, _ = complete(serve.url)  # the decode worker's cached blocks are as they were
     assert after == before
     _, route = complete(serve.url, "A new prompt, not cached anywhere yet. " * 5)
     assert route["prefilled_by"] == serve.prefill  # the decode worker's peer is still the prefill worker
+    credentials = grpc.ssl_channel_credentials(router.ca_cert, router.key, router.cert)
     for address in (serve.prefill, serve.decode):
         with grpc.secure_channel(address, credentials) as ch:
             reply = ch.unary_unary("/pdserve.v1.Worker/CheckKvIntegrity",

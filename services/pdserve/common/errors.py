@@ -61,9 +61,10 @@ class UnknownPeerError(TransferError):
 
 
 class PermissionDeniedError(TransferError):
-    """A call the caller's identity does not allow: a handshake claiming another worker's id,
-    a write order for blocks the caller did not reserve, or a peer of another deployment.
-    Refused before anything changes (gRPC PERMISSION_DENIED)."""
+    """A call the caller's identity does not allow: a method its certificate's role may not
+    call (`rpc/access.py`), a handshake claiming another worker's id, a write order for blocks
+    the caller did not reserve, or a peer of another deployment. Refused before anything
+    changes (gRPC PERMISSION_DENIED)."""
 
 
 class WorkerUnavailableError(PdserveError):

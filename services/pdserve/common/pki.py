@@ -1,11 +1,18 @@
 """Certificates for the internal gRPC plane: a certificate authority and one certificate per process.
 
-Each process's identity is its certificate's common name (a worker's id, or "router"); the
-subject alternative names are the host names and addresses others dial it at. Keys are ECDSA
-P-256. A TLS folder holds what one process needs, named as a Kubernetes TLS Secret names them:
-`ca.crt` (the authority it trusts), `tls.crt` and `tls.key` (its own certificate and key).
+Each process's identity is its certificate's common name (a worker's id, or "router") and its
+role the subject's organizational unit (`CN=decode-0, OU=decode`): what it may call on a
+worker (`rpc/access.py`). A worker's certificate also names what it may be reached as, the DNS
+names `worker.pdserve-internal` (every worker) and `prefill.pdserve-internal` (a prefill
+worker): pdserve's clients check a server's certificate against the name of what they mean to
+reach (`rpc/tls.py`), so no other role's certificate passes for a worker. Its other subject
+alternative names, the host names and addresses it is dialled at, serve other TLS clients
+(grpcurl). Keys are ECDSA P-256. A TLS folder holds what one process needs, named as a
+Kubernetes TLS Secret names them: `ca.crt` (the authority it trusts), `tls.crt` and `tls.key`
+(its own certificate and key).
 """
 import datetime
+import enum
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -19,10 +26,28 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 CA_CERT, CERT, KEY = "ca.crt", "tls.crt", "tls.key"
 CA_KEY = "ca.key"
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
-# Every certificate also names this: a channel to an address no certificate can name ahead of time
-# (a pod or container IP found by DNS discovery) checks the server against it (rpc/tls.py).
-INTERNAL_NAME = "pdserve-internal"
 DEFAULT_VALID_DAYS = 365
+
+
+class Role(enum.StrEnum):
+    """What a certificate's holder is on the plane; a worker's is its `--role`."""
+
+    ROUTER = "router"
+    PROBE = "probe"  # health checks only
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"  # an aggregated worker
+
+
+# The names a server's certificate is checked against, by what the client means to reach; no
+# host may be one of them, or under INTERNAL_DOMAIN.
+INTERNAL_DOMAIN = "pdserve-internal"
+WORKER_NAME = f"worker.{INTERNAL_DOMAIN}"
+PREFILL_WORKER_NAME = f"prefill.{INTERNAL_DOMAIN}"
+REACHED_AS: dict[Role, tuple[str, ...]] = {
+    Role.ROUTER: (), Role.PROBE: (),  # they serve no gRPC
+    Role.PREFILL: (WORKER_NAME, PREFILL_WORKER_NAME), Role.DECODE: (WORKER_NAME,), Role.BOTH: (WORKER_NAME,),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +112,26 @@ class Authority:
     def cert_pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, identity: str, hosts: tuple[str, ...] = (), valid_days: int = DEFAULT_VALID_DAYS) -> Issued:
-        """A certificate naming `identity`, for serving at `hosts` (plus this machine's loopback
-        names) and for calling others: both server and client authentication."""
+    def issue(self, identity: str, role: Role, hosts: tuple[str, ...] = (),
+              valid_days: int = DEFAULT_VALID_DAYS) -> Issued:
+        """A certificate naming `identity` in `role`, for serving at `hosts` (plus this machine's
+        loopback names and the role's `REACHED_AS` names) and for calling others: both server and
+        client authentication."""
         if not identity or len(identity) > 64:
             raise ValueError(f"identity {identity!r}: must be 1 to 64 characters")
         if identity == identity_of(self.cert_pem):  # would read as self-signed, and fail verification
             raise ValueError(f"identity {identity!r}: the authority's own name")
+        role = Role(role)
+        internal = [h for h in hosts if is_internal_name(h)]
+        if internal:  # a decode worker's certificate naming prefill.pdserve-internal would pass for a prefill one
+            raise ValueError(f"host {internal[0]!r}: the names under {INTERNAL_DOMAIN} are the roles' own")
         key = ec.generate_private_key(ec.SECP256R1())
-        names = [_alt_name(host) for host in dict.fromkeys((*hosts, *LOCAL_HOSTS, INTERNAL_NAME)) if host]
+        names = [_alt_name(host) for host in dict.fromkeys((*hosts, *LOCAL_HOSTS, *REACHED_AS[role])) if host]
         now = _now()
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity),
+                             x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value)])
         cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity)]))
+                .subject_name(subject)
                 .issuer_name(self.cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -113,12 +146,31 @@ class Authority:
         return Issued(self.cert_pem, cert.public_bytes(serialization.Encoding.PEM), key_pem)
 
 
+def is_internal_name(host: str) -> bool:
+    """Whether `host` is one of the names under INTERNAL_DOMAIN, which only a role may give."""
+    return host == INTERNAL_DOMAIN or host.endswith(f".{INTERNAL_DOMAIN}")
+
+
 def identity_of(cert_pem: bytes) -> str:
     """The identity a certificate names (its common name)."""
-    names = x509.load_pem_x509_certificate(cert_pem).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    if not names:
-        raise ValueError("the certificate has no common name")
-    value = names[0].value
+    return _subject_value(cert_pem, NameOID.COMMON_NAME, "common name")
+
+
+def role_of(cert_pem: bytes) -> Role:
+    """The role a certificate names (its organizational unit); ValueError when it names none,
+    or no role of `Role` (a certificate issued before roles)."""
+    value = _subject_value(cert_pem, NameOID.ORGANIZATIONAL_UNIT_NAME, "role (organizational unit)")
+    try:
+        return Role(value)
+    except ValueError:
+        raise ValueError(f"the certificate's role {value!r} is none of {', '.join(Role)}") from None
+
+
+def _subject_value(cert_pem: bytes, oid: x509.ObjectIdentifier, what: str) -> str:
+    values = x509.load_pem_x509_certificate(cert_pem).subject.get_attributes_for_oid(oid)
+    if not values:
+        raise ValueError(f"the certificate names no {what}")
+    value = values[0].value
     return value if isinstance(value, str) else value.decode()
 
 

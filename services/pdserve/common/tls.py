@@ -2,7 +2,8 @@
 
 Every gRPC server requires a client certificate signed by the same authority, and every
 client presents its own: a caller without one gets no answer at all. The identity in a
-certificate is the process's name on the plane (a worker's id, or "router").
+certificate is the process's name on the plane (a worker's id, or "router"), its role what the
+process may call (`pki.Role`, `rpc/access.py`).
 """
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,30 +20,34 @@ class TlsConfig:
     cert: bytes = field(repr=False)
     key: bytes = field(repr=False)
     identity: str
+    role: pki.Role
 
     @classmethod
     def from_dir(cls, folder: str, setting: str = "--tls-dir") -> "TlsConfig":
         """Read `ca.crt`, `tls.crt` and `tls.key` from `folder`; ConfigError naming `setting`
-        when one is missing or unreadable or the certificate names no identity."""
+        when one is missing or unreadable or the certificate names no identity or no role."""
         path = Path(folder)
         try:
             ca_cert, cert, key = ((path / name).read_bytes() for name in (pki.CA_CERT, pki.CERT, pki.KEY))
         except OSError as exc:
             raise ConfigError(setting, folder, f"needs {pki.CA_CERT}, {pki.CERT} and {pki.KEY}: {exc}") from None
         try:
-            identity = pki.identity_of(cert)
+            identity, role = pki.identity_of(cert), pki.role_of(cert)
         except ValueError as exc:
-            raise ConfigError(setting, folder, f"{pki.CERT}: {exc}") from None
-        return cls(ca_cert, cert, key, identity)
+            raise ConfigError(setting, folder, f"{pki.CERT}: {exc}; issue it again with `pdserve certs --<role> "
+                                               "NAME` (roles: router, probe, prefill, decode, both)") from None
+        return cls(ca_cert, cert, key, identity, role)
 
     @classmethod
     def from_issued(cls, issued: pki.Issued) -> "TlsConfig":
-        return cls(issued.ca_cert, issued.cert, issued.key, pki.identity_of(issued.cert))
+        return cls(issued.ca_cert, issued.cert, issued.key, pki.identity_of(issued.cert), pki.role_of(issued.cert))
 
 
-def resolve_tls(tls_dir: str | None, insecure_internal: bool, setting: str = "--tls-dir") -> TlsConfig | None:
-    """The TLS credentials settings ask for; None for plain text, which must be asked for
-    explicitly. ConfigError when neither or both are given."""
+def resolve_tls(tls_dir: str | None, insecure_internal: bool, role: pki.Role,
+                setting: str = "--tls-dir") -> TlsConfig | None:
+    """The TLS credentials settings ask for, for a process in `role`; None for plain text, which
+    must be asked for explicitly. ConfigError when neither or both are given, or when the
+    certificate is of another role."""
     if insecure_internal:
         if tls_dir:
             raise ConfigError(setting, tls_dir, "cannot be combined with --insecure-internal")
@@ -51,7 +56,11 @@ def resolve_tls(tls_dir: str | None, insecure_internal: bool, setting: str = "--
         raise ConfigError(setting, tls_dir, "the internal gRPC plane needs mutual TLS: give --tls-dir (a folder "
                                             "with ca.crt, tls.crt and tls.key; `pdserve certs` makes them) or "
                                             "--insecure-internal for plain text")
-    return TlsConfig.from_dir(tls_dir, setting)
+    tls = TlsConfig.from_dir(tls_dir, setting)
+    if tls.role != role:
+        raise ConfigError(setting, tls_dir, f"{pki.CERT} is a certificate of role {tls.role.value!r} "
+                                            f"({tls.identity!r}); this process needs one of role {role.value!r}")
+    return tls
 
 
 INSECURE_WARNING = ("INSECURE: the internal gRPC plane runs in plain text (--insecure-internal): anyone who can "

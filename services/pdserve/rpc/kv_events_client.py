@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.common.errors import PdserveError, WorkerUnavailableError
+from pdserve.common.pki import WORKER_NAME
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc import kv_events as convert
 from pdserve.rpc.gen import kv_events_pb2 as pb
@@ -53,7 +54,7 @@ class KvEventsClient:
 
     def _events(self) -> kv_events_pb2_grpc.KvEventsStub:
         if self._stub is None:
-            self._channel = aio_channel(self.address, self._tls, _OPTIONS)
+            self._channel = aio_channel(self.address, self._tls, WORKER_NAME, _OPTIONS)
             self._stub = kv_events_pb2_grpc.KvEventsStub(self._channel)
         return self._stub
 

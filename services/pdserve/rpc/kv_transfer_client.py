@@ -2,6 +2,7 @@
 import grpc
 
 from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
+from pdserve.common.pki import PREFILL_WORKER_NAME
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc import kv_transfer as convert
 from pdserve.rpc.gen import kv_transfer_pb2_grpc
@@ -12,11 +13,13 @@ from pdserve.rpc.tls import aio_channel
 class KvTransferClient:
     """One channel to the KvTransfer service at `address`; a failed call raises the typed
     error of `rpc.status.error_from_rpc` (unreachable, deadline, or the peer's own error).
-    `tls`: mutual TLS under our certificate; None: plain text."""
+    `tls`: mutual TLS under our certificate, to a server whose certificate is a prefill worker's
+    (any other is unreachable: our grant key and NIXL metadata go to prefill workers only);
+    None: plain text."""
 
     def __init__(self, address: str, tls: TlsConfig | None = None) -> None:
         self.address = address
-        self._channel = aio_channel(address, tls)
+        self._channel = aio_channel(address, tls, PREFILL_WORKER_NAME)
         self._stub = kv_transfer_pb2_grpc.KvTransferStub(self._channel)
 
     async def handshake(self, hello: Hello, timeout_s: float) -> Hello:

@@ -4,6 +4,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.common.ids import DeploymentId
+from pdserve.common.pki import WORKER_NAME
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc.gen import worker_pb2 as wpb
 from pdserve.rpc.gen import worker_pb2_grpc
@@ -15,9 +16,10 @@ def is_worker_serving(address: str, timeout_s: float, deployment_id: DeploymentI
     """True if the worker at `address` answers health with SERVING within `timeout_s` and, given
     `deployment_id`, belongs to that deployment; False if it is unreachable, not serving yet,
     another deployment's, or its engine failed. `tls`: our credentials (or a TLS folder, as a
-    Kubernetes probe names it) for a worker serving mutual TLS; None: plain text."""
+    Kubernetes probe names it) for a worker serving mutual TLS, of role probe or router (the
+    roles a worker answers these calls for); None: plain text."""
     credentials = TlsConfig.from_dir(tls) if isinstance(tls, str) else tls
-    with sync_channel(address, credentials) as channel:
+    with sync_channel(address, credentials, WORKER_NAME) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             if stub.Health(wpb.HealthRequest(), timeout=timeout_s).status != wpb.SERVING_STATUS_SERVING:

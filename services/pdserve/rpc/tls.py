@@ -1,20 +1,23 @@
 """gRPC channels and servers over mutual TLS (or plain text when `tls` is None), and the
 identity of the process at the other end of a call.
 
-A channel checks the server's certificate against the host it dials. A worker found by DNS
-discovery is dialled at its pod or container IP, which no certificate names ahead of time (and
-a decode worker dials its prefill worker at the address the router passes on): for a
-non-loopback IP literal the certificate must instead name `pki.INTERNAL_NAME`, which every
-certificate of the deployment's authority carries. The authority is private to the deployment,
-and who is at the other end is read from the certificate's identity, not from its address.
+A channel checks the server's certificate against the name of what it means to reach, not the
+host it dials: `pki.WORKER_NAME` for any worker, `pki.PREFILL_WORKER_NAME` for a prefill worker's
+KvTransfer service. Only a certificate of that role names it, so the TLS handshake itself fails
+when a router's or a decode worker's certificate answers at a prefill worker's address, and a
+worker dialled at a pod or container IP (DNS discovery, the address a router passes on) needs no
+certificate naming that IP. The authority is private to the deployment, and who is at the other
+end is read from the certificate, not from its address.
+
+A server answers only certificates of its authority, and each method only the roles
+`rpc/access.py` allows it.
 """
-import ipaddress
 from collections.abc import Sequence
 
 import grpc
 
-from pdserve.common.pki import INTERNAL_NAME
 from pdserve.common.tls import TlsConfig
+from pdserve.rpc.access import RolePolicy
 
 Options = Sequence[tuple[str, object]]
 
@@ -26,32 +29,33 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
 
 
 def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
-    """Present our certificate; trust only servers signed by our authority, at the host named."""
+    """Present our certificate; trust only servers signed by our authority."""
     return grpc.ssl_channel_credentials(root_certificates=tls.ca_cert, private_key=tls.key,
                                         certificate_chain=tls.cert)
 
 
-def aio_channel(address: str, tls: TlsConfig | None, options: Options = ()) -> grpc.aio.Channel:
+def aio_channel(address: str, tls: TlsConfig | None, server_name: str, options: Options = ()) -> grpc.aio.Channel:
+    """A channel to `address`, whose certificate must name `server_name` (a `pki` name)."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, channel_credentials(tls), options=secure_options(address, options))
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=secure_options(server_name, options))
 
 
-def sync_channel(address: str, tls: TlsConfig | None, options: Options = ()) -> grpc.Channel:
+def sync_channel(address: str, tls: TlsConfig | None, server_name: str, options: Options = ()) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, channel_credentials(tls), options=secure_options(address, options))
+    return grpc.secure_channel(address, channel_credentials(tls), options=secure_options(server_name, options))
 
 
-def secure_options(address: str, options: Options = ()) -> list[tuple[str, object]]:
-    """`options`, checking the certificate against INTERNAL_NAME when `address` is a
-    non-loopback IP literal (see the module's docstring)."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    try:
-        is_remote_ip = not ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        is_remote_ip = False
-    return [*options, ("grpc.ssl_target_name_override", INTERNAL_NAME)] if is_remote_ip else list(options)
+def secure_options(server_name: str, options: Options = ()) -> list[tuple[str, object]]:
+    """`options`, checking the server's certificate against `server_name` (see the module's docstring)."""
+    return [*options, ("grpc.ssl_target_name_override", server_name)]
+
+
+def aio_server(options: Options = ()) -> grpc.aio.Server:
+    """A server whose methods, on a mutual TLS port (`add_port`), answer only the roles
+    `rpc/access.py` allows them."""
+    return grpc.aio.server(options=list(options), interceptors=[RolePolicy()])
 
 
 def add_port(server: grpc.aio.Server, address: str, tls: TlsConfig | None) -> int:

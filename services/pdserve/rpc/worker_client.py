@@ -8,6 +8,7 @@ from google.protobuf.message import Message
 
 from pdserve.common.errors import InvalidRequestError, WorkerTimeoutError, WorkerUnavailableError
 from pdserve.common.ids import DeploymentId, RequestId
+from pdserve.common.pki import WORKER_NAME
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, WorkerInfo
 from pdserve.common.tls import TlsConfig
@@ -39,7 +40,8 @@ class GrpcBackend:
 
     Every call has a deadline: `generate_timeout_s` for a whole `generate` stream,
     `rpc_timeout_s` for each other call. A worker that cannot be reached raises
-    `WorkerUnavailableError` (so does a worker refusing our certificate, or we its); `tls`:
+    `WorkerUnavailableError` (so does a worker refusing our certificate, or we its: a server
+    whose certificate is not a worker's); `tls`:
     mutual TLS under our certificate, None: plain text. A passed deadline raises `WorkerTimeoutError`; a request the
     worker refuses raises the worker's typed error (`InvalidRequestError`, ...).
 
@@ -63,7 +65,7 @@ class GrpcBackend:
 
     def _worker(self) -> worker_pb2_grpc.WorkerStub:
         if self._stub is None:
-            self._channel = aio_channel(self.address, self._tls, WORKER_CHANNEL_OPTIONS)
+            self._channel = aio_channel(self.address, self._tls, WORKER_NAME, WORKER_CHANNEL_OPTIONS)
             self._stub = worker_pb2_grpc.WorkerStub(self._channel)
             self._loras = worker_pb2_grpc.LoraAdaptersStub(self._channel)
         return self._stub

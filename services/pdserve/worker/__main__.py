@@ -4,7 +4,8 @@ running ones finish within `--drain-timeout` seconds, `server.py`) and exit 0. `
 serves grpc.health.v1 alone in plain text, for probes without a client certificate.
 
 Internal gRPC is mutual TLS from `--tls-dir` (the worker's id is the identity in its
-certificate), or plain text with `--insecure-internal`, said loudly at start.
+certificate, whose role must be the worker's `--role`), or plain text with
+`--insecure-internal`, said loudly at start.
 
 The Worker service serves the role's engine behind `BoundedEngine` (at most
 `--max-waiting-requests` waiting; refused while the watchdog finds the engine thread wedged);
@@ -18,6 +19,7 @@ import sys
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
+from pdserve.common.pki import Role
 from pdserve.common.ports import check_port_free
 from pdserve.common.settings import WorkerSettings, pod_name, resolve_worker_settings
 from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls, speaks_for
@@ -95,8 +97,8 @@ def with_identity(settings: WorkerSettings, pod: str | None = None) -> tuple[Wor
     """The settings with the worker id bound to the certificate's identity, and the credentials.
     In a pod (`pod`, its name) the id is `<identity>/<pod>`, so the replicas of a Deployment,
     which share one certificate, keep distinct ids. ConfigError when `--worker-id` names
-    another identity than the certificate."""
-    tls = resolve_tls(settings.tls_dir, settings.insecure_internal)
+    another identity than the certificate, or when the certificate's role is not `--role`."""
+    tls = resolve_tls(settings.tls_dir, settings.insecure_internal, Role(settings.role))
     if tls is None:
         return settings, None
     worker_id = settings.worker_id or (f"{tls.identity}/{pod}" if pod else tls.identity)

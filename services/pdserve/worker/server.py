@@ -15,7 +15,7 @@ from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc.health_service import HealthService, PlainHealthServer
-from pdserve.rpc.tls import add_port
+from pdserve.rpc.tls import add_port, aio_server
 from pdserve.rpc.worker_service import add_worker_service
 from pdserve.worker.drain import DrainGate
 
@@ -38,7 +38,8 @@ SERVER_OPTIONS = (
 
 class WorkerServer:
     """Serves `engine` over gRPC on `host:port` (port 0: any free port); with `tls`, only to
-    callers presenting a certificate of the same authority (mutual TLS), else in plain text.
+    callers presenting a certificate of the same authority (mutual TLS), each method only to
+    the roles `rpc/access.py` allows it, else in plain text.
 
     Lifecycle: `start()` once, then `stop(grace_s)` once. `stop` refuses new calls at once,
     waits up to `grace_s` for running ones, then cancels the rest (each cancelled call
@@ -48,7 +49,7 @@ class WorkerServer:
     def __init__(self, engine: AsyncEngine, host: str, port: int,
                  services: Sequence[Callable[[grpc.aio.Server], None]] = (),
                  deployment_id: DeploymentId | None = None, tls: TlsConfig | None = None) -> None:
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._server = aio_server(SERVER_OPTIONS)
         self._tls = tls
         self._output_streams = add_worker_service(self._server, engine, deployment_id).output_streams
         for add_service in services:  # e.g. the KvTransfer service of a prefill worker

@@ -200,11 +200,13 @@ def test_the_compose_certs_service_makes_each_identity_valid_at_the_name_it_is_d
         tls = TlsConfig.from_dir(str(folder))
         names = x509.load_pem_x509_certificate(tls.cert).extensions.get_extension_for_class(
             x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
-        # Valid at its service name and aliases, and at the internal name a channel to its
-        # container IP checks (rpc/tls.py); a worker is found by one of those names.
+        # Valid at its service name and aliases; a worker is found by one of those names, and
+        # is in its role (the name of the role's a channel checks, rpc/tls.py).
         known_as = {name, *network_aliases(services[name])}
-        assert known_as <= set(names) and pki.INTERNAL_NAME in names
+        assert known_as <= set(names)
         assert name == "router" or known_as & dns_names
+        assert tls.role == (pki.Role.ROUTER if name == "router" else pki.Role(settings[name].role))
+        assert (pki.WORKER_NAME in names) == (name != "router")
         identities[name] = tls.identity
         assert "tls:/etc/pdserve/tls:ro" in services[name]["volumes"]
         assert services[name]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}

@@ -4,6 +4,7 @@ Kubernetes' own schemas (kubernetes-validate, strict: no unknown field), the res
 Security Standard, probes, resource requests that fit a 2-CPU cluster, rollouts that never put
 two workers behind one address, and a NetworkPolicy admitting workers' traffic only from the
 router and their peers. Every pdserve command line still resolves through the settings parser."""
+import base64
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,13 +13,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pdserve.common import pki
 from pdserve.common.settings import RouterSettings, WorkerSettings, resolve_router_settings, resolve_worker_settings
 from pdserve.serve.certs import main as certs_main
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
-IDENTITIES = ("router", "prefill-0=pdserve-prefill", "decode-0=pdserve-decode")  # as base/kustomization.yaml says
+IDENTITIES = (("--router", "router"), ("--prefill", "prefill-0=pdserve-prefill"),  # as base/kustomization.yaml says
+              ("--decode", "decode-0=pdserve-decode"))
 # The oldest Kubernetes with grpc probes GA, and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.27", kubernetes_validate.utils.latest_version())
 IMAGE_UID = 10001  # the Dockerfile's numeric USER
@@ -36,7 +39,7 @@ def overlay(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         pytest.skip("kubectl (with its built-in kustomize) is not installed")
     tree = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("tls"))
-    args = ["--out", str(tree / "base" / "tls")] + [a for i in IDENTITIES for a in ("--identity", i)]
+    args = ["--out", str(tree / "base" / "tls")] + [a for identity in IDENTITIES for a in identity]
     assert certs_main(args) == 0
     rendered = subprocess.run([kubectl, "kustomize", str(tree / "overlays" / request.param)],
                               capture_output=True, text=True, timeout=120)
@@ -187,6 +190,22 @@ def test_the_overlays_choose_the_device(overlay) -> None:
             assert (settings.device, limits["nvidia.com/gpu"]) == ("cuda", 1)
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
             assert "cuda_copy" in plain_env(container)["UCX_TLS"]
+
+
+def test_each_pod_mounts_a_certificate_of_its_own_role(overlay) -> None:
+    """A worker starts only with a certificate of its --role, the router with one of role router."""
+    _, docs = overlay
+    (secret,) = [d for d in docs if d["kind"] == "Secret"]
+    roles = {}
+    for name, deployment in deployments(docs).items():
+        pod = deployment["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        cert_key = {item["path"]: item["key"] for item in volume["secret"]["items"]}["tls.crt"]
+        settings = settings_of(pod["containers"][0])
+        wanted = pki.Role(settings.role) if isinstance(settings, WorkerSettings) else pki.Role.ROUTER
+        roles[name] = pki.role_of(base64.b64decode(secret["data"][cert_key]))
+        assert roles[name] == wanted
+    assert sorted(roles.values()) == ["decode", "prefill", "router"]
 
 
 def test_a_worker_address_never_names_two_pods(overlay) -> None:

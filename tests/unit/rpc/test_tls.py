@@ -1,10 +1,9 @@
 """Mutual TLS on real gRPC servers in one process: a worker answers only callers with a
-certificate of its authority, and the KvTransfer service lets a caller speak only for the
-identity in its certificate."""
+certificate of its authority, the KvTransfer service lets a caller speak only for the identity
+in its certificate, and a client reaches only a server whose certificate is of the role it
+means to reach."""
 import asyncio
 
-import grpc
-from cryptography import x509
 import pytest
 
 from pdserve.common import pki
@@ -16,7 +15,7 @@ from pdserve.common.tls import TlsConfig
 from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.rpc.kv_transfer_service import add_kv_transfer_service
 from pdserve.rpc.probe import is_worker_serving
-from pdserve.rpc.tls import add_port, secure_options
+from pdserve.rpc.tls import add_port, aio_server
 from pdserve.rpc.worker_client import GrpcBackend
 from pdserve.worker.server import WorkerServer
 from tests.unit.worker.fake_engine import FakeEngine
@@ -25,19 +24,22 @@ AUTHORITY = pki.Authority.create("test")
 STRANGER = pki.Authority.create("another deployment")
 
 
-def tls(identity: str, authority: pki.Authority = AUTHORITY) -> TlsConfig:
-    return TlsConfig.from_issued(authority.issue(identity))
+def tls(identity: str, role: pki.Role, authority: pki.Authority = AUTHORITY) -> TlsConfig:
+    return TlsConfig.from_issued(authority.issue(identity, role))
+
+
+ROUTER = tls("router", pki.Role.ROUTER)
 
 
 def test_a_worker_answers_only_callers_with_a_certificate_of_its_authority(tmp_path) -> None:
-    AUTHORITY.issue("router").write(tmp_path)
+    AUTHORITY.issue("probe", pki.Role.PROBE).write(tmp_path)
 
     async def scenario() -> list[object]:
-        server = WorkerServer(FakeEngine(), "127.0.0.1", 0, tls=tls("decode-0"))
+        server = WorkerServer(FakeEngine(), "127.0.0.1", 0, tls=tls("decode-0", pki.Role.DECODE))
         address = f"127.0.0.1:{await server.start()}"
         answers: list[object] = []
         try:
-            for credentials in (None, tls("router", STRANGER), tls("router")):
+            for credentials in (None, tls("router", pki.Role.ROUTER, STRANGER), ROUTER):
                 backend = GrpcBackend(address, rpc_timeout_s=5.0, tls=credentials)
                 try:
                     answers.append((await backend.info()).model.model_name)
@@ -76,15 +78,15 @@ def order_for(decode_worker_id: str) -> PrefillOrder:
 def test_a_caller_speaks_only_for_the_identity_in_its_certificate() -> None:
     async def scenario() -> tuple[list[object], list[str]]:
         handler = RecordingHandler()
-        server = grpc.aio.server()
+        server = aio_server()
         add_kv_transfer_service(server, handler)
-        port = add_port(server, "127.0.0.1:0", tls("prefill-0"))
+        port = add_port(server, "127.0.0.1:0", tls("prefill-0", pki.Role.PREFILL))
         await server.start()
         outcomes: list[object] = []
         try:
             for caller, claimed in (("mallory", "decode-0"), ("mallory", "mallory"), ("decode-0", "decode-0"),
                                     ("decode-0", "decode-0/pod-a"), ("decode-0", "decode-00/pod-a")):
-                client = KvTransferClient(f"127.0.0.1:{port}", tls(caller))
+                client = KvTransferClient(f"127.0.0.1:{port}", tls(caller, pki.Role.DECODE))
                 for call in (client.handshake(Hello(WorkerId(claimed), b"m"), 5.0),
                              client.prefill(order_for(claimed), 5.0)):
                     try:
@@ -111,11 +113,12 @@ def test_a_caller_speaks_only_for_the_identity_in_its_certificate() -> None:
 def test_the_kv_transfer_service_refuses_a_caller_without_a_certificate_of_its_authority(who: str) -> None:
     async def scenario() -> list[str]:
         handler = RecordingHandler()
-        server = grpc.aio.server()
+        server = aio_server()
         add_kv_transfer_service(server, handler)
-        port = add_port(server, "127.0.0.1:0", tls("prefill-0"))
+        port = add_port(server, "127.0.0.1:0", tls("prefill-0", pki.Role.PREFILL))
         await server.start()
-        client = KvTransferClient(f"127.0.0.1:{port}", None if who == "plain text" else tls("decode-0", STRANGER))
+        stranger = tls("decode-0", pki.Role.DECODE, STRANGER)
+        client = KvTransferClient(f"127.0.0.1:{port}", None if who == "plain text" else stranger)
         try:
             with pytest.raises(WorkerUnavailableError):
                 await client.handshake(Hello(WorkerId("decode-0"), b"m"), 5.0)
@@ -125,18 +128,6 @@ def test_the_kv_transfer_service_refuses_a_caller_without_a_certificate_of_its_a
         return handler.calls
 
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == []
-
-
-@pytest.mark.parametrize(("address", "is_checked_as_internal"), [
-    ("10.77.0.5:50051", True), ("[fd00::5]:50051", True), ("127.0.0.1:50051", False), ("[::1]:50051", False),
-    ("prefill:50051", False), ("pdserve-decode.ns.svc.cluster.local:50051", False)])
-def test_a_remote_ip_is_checked_against_the_internal_name_every_certificate_carries(
-        address: str, is_checked_as_internal: bool) -> None:
-    override = ("grpc.ssl_target_name_override", pki.INTERNAL_NAME)
-    assert (override in secure_options(address)) == is_checked_as_internal
-    issued = x509.load_pem_x509_certificate(pki.Authority.create("ca").issue("w").cert)
-    names = issued.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert pki.INTERNAL_NAME in names.get_values_for_type(x509.DNSName)
 
 
 def this_machines_ip() -> str | None:
@@ -151,17 +142,17 @@ def this_machines_ip() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def test_a_worker_dialled_at_an_ip_its_certificate_does_not_name_is_reached_through_the_internal_name() -> None:
+def test_a_worker_dialled_at_an_ip_its_certificate_does_not_name_is_reached_through_its_roles_name() -> None:
     ip = this_machines_ip()
     if ip is None:
         pytest.skip("this machine has no non-loopback IPv4 address to dial")
 
     async def scenario() -> tuple[str, type]:
-        server = WorkerServer(FakeEngine(), "0.0.0.0", 0, tls=tls("decode-0"))  # named for loopback only
+        server = WorkerServer(FakeEngine(), "0.0.0.0", 0, tls=tls("decode-0", pki.Role.DECODE))  # loopback only
         address = f"{ip}:{await server.start()}"
         try:
-            backend = GrpcBackend(address, rpc_timeout_s=5.0, tls=tls("router"))
-            stranger = GrpcBackend(address, rpc_timeout_s=5.0, tls=tls("router", STRANGER))
+            backend = GrpcBackend(address, rpc_timeout_s=5.0, tls=ROUTER)
+            stranger = GrpcBackend(address, rpc_timeout_s=5.0, tls=tls("router", pki.Role.ROUTER, STRANGER))
             try:
                 name = (await backend.info()).model.model_name
                 with pytest.raises(WorkerUnavailableError) as refused:
@@ -174,3 +165,45 @@ def test_a_worker_dialled_at_an_ip_its_certificate_does_not_name_is_reached_thro
             await server.stop(0)
 
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == ("tiny-llama", WorkerUnavailableError)
+
+
+@pytest.mark.parametrize("server_role", list(pki.Role))
+def test_the_router_reaches_only_a_server_whose_certificate_is_a_workers(server_role: pki.Role) -> None:
+    """A router's or a probe's certificate cannot pose as a worker: the TLS handshake fails."""
+    async def scenario() -> object:
+        server = WorkerServer(FakeEngine(), "127.0.0.1", 0, tls=tls("decode-0", server_role))
+        backend = GrpcBackend(f"127.0.0.1:{await server.start()}", rpc_timeout_s=5.0, tls=ROUTER)
+        try:
+            return (await backend.info()).model.model_name
+        except WorkerUnavailableError as exc:
+            return type(exc)
+        finally:
+            await backend.close()
+            await server.stop(0)
+
+    is_worker = server_role in (pki.Role.PREFILL, pki.Role.DECODE, pki.Role.BOTH)
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == ("tiny-llama" if is_worker else WorkerUnavailableError)
+
+
+@pytest.mark.parametrize("server_role", list(pki.Role))
+def test_a_decode_worker_hands_its_hello_only_to_a_server_whose_certificate_is_a_prefill_workers(
+        server_role: pki.Role) -> None:
+    """The hello carries NIXL metadata and the grant key: a server of any other role never sees it."""
+    async def scenario() -> tuple[object, list[str]]:
+        handler = RecordingHandler()
+        server = aio_server()
+        add_kv_transfer_service(server, handler)
+        port = add_port(server, "127.0.0.1:0", tls("prefill-0", server_role))
+        await server.start()
+        client = KvTransferClient(f"127.0.0.1:{port}", tls("decode-0", pki.Role.DECODE))
+        try:
+            return (await client.handshake(Hello(WorkerId("decode-0"), b"m"), 5.0)).worker_id, handler.calls
+        except WorkerUnavailableError as exc:
+            return type(exc), handler.calls
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    reached = server_role == pki.Role.PREFILL
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == (
+        ("prefill-0", ["handshake decode-0"]) if reached else (WorkerUnavailableError, []))

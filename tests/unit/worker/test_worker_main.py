@@ -64,23 +64,32 @@ def test_a_disk_tier_without_a_host_tier_is_refused() -> None:
 
 
 def test_a_worker_id_is_its_certificates_identity(tmp_path) -> None:
-    folder = str(pki.Authority.create("test").issue("decode-0").write(tmp_path))
-    settings, tls = with_identity(resolve_worker_settings(["--tls-dir", folder], NO_ENV))
+    folder = str(pki.Authority.create("test").issue("decode-0", pki.Role.DECODE).write(tmp_path))
+    settings, tls = with_identity(resolve_worker_settings(["--tls-dir", folder, "--role", "decode"], NO_ENV))
     assert (settings.worker_id, settings.peer_name, tls.identity) == ("decode-0", "decode-0", "decode-0")
     with pytest.raises(ConfigError, match="names 'decode-0'; a worker's id is its identity"):
-        with_identity(resolve_worker_settings(["--tls-dir", folder, "--worker-id", "decode-1"], NO_ENV))
+        with_identity(resolve_worker_settings(["--tls-dir", folder, "--role", "decode", "--worker-id", "decode-1"],
+                                              NO_ENV))
+
+
+@pytest.mark.parametrize("role", ["prefill", "both"])
+def test_a_worker_refuses_a_certificate_of_another_role(tmp_path, role: str) -> None:
+    folder = str(pki.Authority.create("test").issue("decode-0", pki.Role.DECODE).write(tmp_path))
+    with pytest.raises(ConfigError, match=f"of role 'decode' .'decode-0'.; this process needs one of role '{role}'"):
+        with_identity(resolve_worker_settings(["--tls-dir", folder, "--role", role], NO_ENV))
 
 
 def test_in_a_pod_a_worker_id_is_an_instance_of_its_certificates_identity(tmp_path) -> None:
     """The replicas of one Deployment share a certificate: each takes its pod's name as instance."""
-    folder = str(pki.Authority.create("test").issue("prefill-0").write(tmp_path))
+    folder = str(pki.Authority.create("test").issue("prefill-0", pki.Role.PREFILL).write(tmp_path))
+    prefill = ["--role", "prefill", "--tls-dir"]
     pod = {"POD_NAME": "pdserve-prefill-7d9f-x2k4q"}
-    settings, _ = with_identity(resolve_worker_settings(["--tls-dir", folder], pod), pod_name(pod))
+    settings, _ = with_identity(resolve_worker_settings([*prefill, folder], pod), pod_name(pod))
     assert settings.worker_id == settings.peer_name == "prefill-0/pdserve-prefill-7d9f-x2k4q"
-    chosen, _ = with_identity(resolve_worker_settings(["--tls-dir", folder, "--worker-id", "prefill-0/a"], pod), "b")
+    chosen, _ = with_identity(resolve_worker_settings([*prefill, folder, "--worker-id", "prefill-0/a"], pod), "b")
     assert chosen.worker_id == "prefill-0/a"
     with pytest.raises(ConfigError, match="<identity>/<instance>"):
-        with_identity(resolve_worker_settings(["--tls-dir", folder, "--worker-id", "prefill-00"], pod), "b")
+        with_identity(resolve_worker_settings([*prefill, folder, "--worker-id", "prefill-00"], pod), "b")
 
 
 def test_a_default_worker_id_on_a_wildcard_host_names_this_machine() -> None:

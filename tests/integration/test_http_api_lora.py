@@ -12,7 +12,7 @@ import pytest
 from http_fakes import MODEL_NAME, WordBackend, load_test_tokenizer, model_info, serve
 from pdserve.common.errors import InvalidRequestError, UnknownLoraAdapterError
 from pdserve.common.stats import LoraAdapterInfo
-from pdserve.router.openai.access.keys import ApiKeys
+from pdserve.common.api_keys import ApiKeys
 from pdserve.router.openai.access.tenants import Tenant
 from pdserve.router.openai.app import create_app
 

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -23,14 +24,14 @@ def is_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def start_serve(tmp_path: Path, cache_dir: Path, port: int, worker_port: int,
-                metrics_port: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_serve(tmp_path: Path, cache_dir: Path, port: int, worker_port: int, metrics_port: int,
+                *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """`pdserve serve` with no topology flags: prefill on `worker_port`, decode on the next port."""
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--worker-port", str(worker_port),
             "--metrics-port", str(metrics_port), "--max-model-len", "512", "--startup-timeout", "150",
-            "--cache-dir", str(cache_dir)]
+            "--cache-dir", str(cache_dir), *flags]
     with open(tmp_path / "serve.out", "wb") as out, open(tmp_path / "serve.err", "wb") as err:
-        serve = subprocess.Popen(argv, stdout=out, stderr=err)
+        serve = subprocess.Popen(argv, stdout=out, stderr=err, env=None if env is None else {**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while b"pdserve is ready" not in (tmp_path / "serve.out").read_bytes():
@@ -88,11 +89,28 @@ def test_serve_answers_through_prefill_and_decode_and_ctrl_c_stops_everything(tm
     assert f"curl -s {url}/v1/completions" in out
 
 
-def test_a_killed_router_stops_the_workers_and_serve_exits_1(tmp_path: Path, serve_cache_dir: Path) -> None:
-    """Workers are restarted (tests/integration/test_supervision.py); the router is not."""
-    port, worker_port, metrics_port = free_ports()
-    serve, _ = start_serve(tmp_path, serve_cache_dir, port, worker_port, metrics_port)
+def metrics_status(url: str, key: str | None = None) -> int:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_a_killed_router_stops_the_workers_and_serve_exits_1(tmp_path: Path, serve_cache_dir: Path) -> None:
+    """Workers are restarted (tests/integration/test_supervision.py); the router is not. Served
+    with --protect-metrics: every metrics port of the launch (router, workers, serve's own)
+    answers a scrape without the key 401."""
+    port, worker_port, metrics_port = free_ports()
+    serve, url = start_serve(tmp_path, serve_cache_dir, port, worker_port, metrics_port, "--protect-metrics",
+                             env={"PDSERVE_API_KEY": "scrape-key"})
+    try:
+        out = (tmp_path / "serve.out").read_text()
+        serve_metrics = out.split("worker restarts: ", 1)[1].split(" ", 1)[0]
+        scrapes = [f"{url}/metrics", f"http://127.0.0.1:{metrics_port}/metrics",
+                   f"http://127.0.0.1:{metrics_port + 1}/metrics", serve_metrics]
+        statuses = [(metrics_status(u), metrics_status(u, "wrong"), metrics_status(u, "scrape-key")) for u in scrapes]
         children = children_of(serve.pid)
         (router,) = [pid for pid in children if command_of(pid).split()[5] == "router"]
         workers = [pid for pid in children if pid != router]
@@ -102,6 +120,7 @@ def test_a_killed_router_stops_the_workers_and_serve_exits_1(tmp_path: Path, ser
         if serve.poll() is None:
             serve.send_signal(signal.SIGTERM)
             serve.wait(STOP_TIMEOUT_S)
+    assert statuses == [(401, 401, 200)] * 4
     assert serve.returncode == 1
     assert [is_alive(pid) for pid in workers] == [False, False]
     err_lines = (tmp_path / "serve.err").read_text().splitlines()

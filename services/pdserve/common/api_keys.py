@@ -1,4 +1,5 @@
-"""API keys and the tenant each belongs to.
+"""API keys and the tenant each belongs to (the router's `/v1/` routes and, with
+`--protect-metrics`, every process's `/metrics`).
 
 A presented key is compared with every configured key in constant time (SHA-256 digests, so
 also of equal length; every key is compared, matched or not). Keys never appear in a message.
@@ -11,12 +12,22 @@ key may change what the server serves (load and unload LoRA adapters) or see ada
 """
 import hashlib
 import hmac
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NewType
 
 from pdserve.common.config_options import is_api_key_ok
 from pdserve.common.errors import ConfigError
-from pdserve.router.openai.access.tenants import DEFAULT_TENANT, Tenant, is_tenant_name_ok
+
+Tenant = NewType("Tenant", str)
+DEFAULT_TENANT = Tenant("default")  # whoever holds a key given with --api-key / PDSERVE_API_KEY
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def is_tenant_name_ok(name: str) -> bool:
+    """Letters, digits, '.', '_' and '-', starting with a letter or digit, at most 64."""
+    return _TENANT_NAME.fullmatch(name) is not None
 
 
 class ApiKeys:

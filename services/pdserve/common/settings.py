@@ -66,6 +66,21 @@ def insecure_internal_option() -> Any:
                     "the KV cache (logged as a warning)")
 
 
+def api_key_option(use: str) -> Any:
+    return opt((), parse=cv.parse_api_keys, secret=True,
+               help=f"{use} (prefer PDSERVE_API_KEY: a flag shows in the process list)")
+
+
+def api_keys_file_option(use: str) -> Any:
+    return opt(None, parse=cv.optional(cv.parse_str), help=use)
+
+
+def protect_metrics_option() -> Any:
+    return opt(False, parse=cv.parse_bool,
+               help="/metrics requires an API key too (the router's, each worker's --metrics-port and serve's "
+                    "--serve-metrics-port; /health* stays open)")
+
+
 def check(is_ok: bool, name: str, value: object, reason: str) -> None:
     if not is_ok:
         raise ConfigError(name, value, reason)
@@ -159,6 +174,11 @@ class WorkerSettings:
                                          "id per launch)")
     metrics_port: int | None = opt(None, parse=cv.optional(cv.parse_int),
                                    help="serve Prometheus metrics over HTTP on this port (0: any free port)")
+    protect_metrics: bool = protect_metrics_option()
+    api_key: tuple[str, ...] = api_key_option("with --protect-metrics: API key(s) /metrics accepts as "
+                                              "'Authorization: Bearer <key>', comma-separated")
+    api_keys_file: str | None = api_keys_file_option("with --protect-metrics: file of '<key> <tenant> [admin]' "
+                                                     "lines, any of whose keys /metrics accepts")
     health_port: int | None = opt(None, parse=cv.optional(cv.parse_int),
                                   help="serve only the standard gRPC health service (grpc.health.v1), in plain text, "
                                        "on this port, for probes that cannot present a client certificate "
@@ -187,6 +207,8 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         check_positive(self, "kv_transfer_timeout_s", "prefill_queue_timeout_s", "max_waiting_requests",
                        "engine_step_timeout_s", "max_prefill_queue")
+        check(not self.protect_metrics or bool(self.api_key) or self.api_keys_file is not None, "protect_metrics",
+              self.protect_metrics, "needs --api-key or --api-keys-file")
         check(self.prefill_queue_timeout_s + self.kv_transfer_timeout_s <= 600, "kv_transfer_timeout_s",
               self.kv_transfer_timeout_s, f"with --prefill-queue-timeout ({self.prefill_queue_timeout_s:g}) must be at "
                                           "most 600 seconds (the longest a prefill worker holds blocks for a peer)")
@@ -296,16 +318,13 @@ class RouterSettings:
                                          "fresh id per launch); unset: admit any worker and log the id it reports")
     tls_dir: str | None = tls_dir_option()
     insecure_internal: bool = insecure_internal_option()
-    # ---- API keys and tenants (see router/openai/access/) ----
-    api_key: tuple[str, ...] = opt((), parse=cv.parse_api_keys, secret=True,
-                                   help="API key(s) every /v1 request must send as 'Authorization: Bearer <key>', "
-                                        "comma-separated; all of tenant 'default' (prefer PDSERVE_API_KEY: a flag "
-                                        "shows in the process list)")
-    api_keys_file: str | None = opt(None, parse=cv.optional(cv.parse_str),
-                                    help="file of '<key> <tenant> [admin]' lines; each tenant has a KV cache of its "
-                                         "own; admin keys may also load and unload LoRA adapters")
-    protect_metrics: bool = opt(False, parse=cv.parse_bool,
-                                help="/metrics too requires an API key (/health* stays open)")
+    # ---- API keys and tenants (see common/api_keys.py and router/openai/access/) ----
+    api_key: tuple[str, ...] = api_key_option("API key(s) every /v1 request must send as 'Authorization: Bearer "
+                                              "<key>', comma-separated; all of tenant 'default'")
+    api_keys_file: str | None = api_keys_file_option("file of '<key> <tenant> [admin]' lines; each tenant has a KV "
+                                                     "cache of its own; admin keys may also load and unload LoRA "
+                                                     "adapters")
+    protect_metrics: bool = protect_metrics_option()
     allow_runtime_lora_updating: bool = opt(False, parse=cv.parse_bool,
                                             help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or "
                                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, vLLM's switch); with API keys "

@@ -28,7 +28,7 @@ from pdserve.models.tokenizer import Tokenizer, load_tokenizer
 from pdserve.models.generation_config import generation_defaults
 from pdserve.router.openai.app import create_app
 from pdserve.router.openai.access.hosts import allowed_hosts
-from pdserve.router.openai.access.keys import ApiKeys, load_api_keys
+from pdserve.common.api_keys import ApiKeys, load_api_keys
 from pdserve.router.routing.cluster import Cluster, ClusterConfig
 from pdserve.router.routing.cost import CostWeights
 from pdserve.router.routing.migration import MigrationPolicy

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
+from pdserve.common.api_keys import load_api_keys
 from pdserve.common.ports import check_port_free
 from pdserve.serve.settings import ServeSettings, resolve_serve_settings
 from pdserve.common.settings import WorkerSettings, child_environ, to_argv
@@ -70,7 +71,7 @@ def worker_spec(command: tuple[str, ...], worker: WorkerSettings, restart: Resta
     address, deployment = worker.address, DeploymentId(worker.deployment_id) if worker.deployment_id else None
     return ChildSpec(worker_name(worker), (*command, "worker", *to_argv(worker)),
                      lambda: is_worker_serving(address, PROBE_TIMEOUT_S, deployment, tls),
-                     child_environ(), restart)  # the worker sets its own CPU runtime defaults
+                     child_environ(worker), restart)  # the worker sets its own CPU runtime defaults
 
 
 def child_stages(settings: ServeSettings) -> list[list[ChildSpec]]:
@@ -151,12 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = resolve_serve_settings(argv)
         check_ports(settings)
+        router = settings.router  # --protect-metrics covers serve's own metrics port too
+        keys = load_api_keys(router.api_key, router.api_keys_file) if router.protect_metrics else None
     except ConfigError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
     restarts = worker_restarts(settings)
     metrics_port = (None if settings.serve_metrics_port is None
-                    else restarts.serve(settings.router.host, settings.serve_metrics_port))
+                    else restarts.serve(settings.router.host, settings.serve_metrics_port, keys))
     supervisor = Supervisor(settings.startup_timeout_s, settings.shutdown_timeout_s, listener=restarts)
     supervisor.install_signal_handlers()
     roles = ", ".join(str(worker.role) for worker in settings.workers)

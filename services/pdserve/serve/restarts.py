@@ -9,6 +9,7 @@ from typing import TextIO
 
 from prometheus_client import CollectorRegistry, Counter
 
+from pdserve.common.api_keys import ApiKeys
 from pdserve.common.metrics_http import serve_metrics
 
 
@@ -24,9 +25,10 @@ class WorkerRestarts:
         for name in labels:
             self._restarts.labels(**labels[name])  # every worker shows 0 before its first restart
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on `host:port` (0: any free port); returns the bound port."""
-        return serve_metrics(self.registry, host, port)
+    def serve(self, host: str, port: int, keys: ApiKeys | None = None) -> int:
+        """Serve /metrics on `host:port` (0: any free port), to callers with one of `keys` when
+        given; returns the bound port."""
+        return serve_metrics(self.registry, host, port, keys)
 
     def child_died(self, name: str, exit_code: int, backoff_s: float, num_deaths_in_a_row: int) -> None:
         self._say(f"{name} exited with code {exit_code}; restarting it in {backoff_s:g} s "

@@ -183,6 +183,8 @@ def resolve_serve_settings(argv: Sequence[str] | None = None,
     values.update({("router", "deployment_id"): deployment_id, ("worker", "deployment_id"): deployment_id})
     topology = build_section(ServeTopology, "topology", options, values, labels)
     base = build_section(WorkerSettings, "worker", options, values, labels)
+    if not base.protect_metrics:  # a worker holds API keys only to guard its /metrics
+        base = dataclasses.replace(base, api_key=(), api_keys_file=None)
     try:
         roles = topology.roles()
         workers = worker_fleet(base, roles, worker_ports(base, len(roles)))

@@ -20,6 +20,7 @@ import sys
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import DeploymentId
 from pdserve.common.pki import Role
+from pdserve.common.api_keys import load_api_keys
 from pdserve.common.ports import check_port_free
 from pdserve.common.settings import WorkerSettings, pod_name, resolve_worker_settings
 from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls, speaks_for
@@ -113,6 +114,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     """Build and start the engine and its role's parts, serve until a signal, then stop all."""
     if tls is None:
         log.warning(INSECURE_WARNING)
+    metrics_keys = load_api_keys(settings.api_key, settings.api_keys_file) if settings.protect_metrics else None
     engine = build_threaded_engine(engine_spec(settings))
     loras = LoraRegistry(engine, settings.lora_dir)
     if settings.enable_lora:
@@ -122,7 +124,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     export_engine(metrics.registry, engine, settings.model_name)
     parts = build_role(settings, engine, metrics, tls, loras)
     if settings.metrics_port is not None:
-        port = metrics.serve(settings.host, settings.metrics_port)
+        port = metrics.serve(settings.host, settings.metrics_port, metrics_keys)
         log.info("metrics on http://%s:%d/metrics", settings.host, port)
     watchdog = EngineWatchdog(engine, settings.engine_step_timeout_s)
     served = BoundedEngine(parts.engine, settings.max_waiting_requests, watchdog)

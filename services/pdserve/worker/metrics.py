@@ -9,6 +9,7 @@ its write together. Bytes, blocks and failures are counted on both sides (`direc
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from pdserve.common.api_keys import ApiKeys
 from pdserve.common.metrics_http import serve_metrics
 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -54,6 +55,7 @@ class TransferMetrics:
         self.bytes.labels(direction).inc(num_bytes)
         self.blocks.labels(direction).observe(num_blocks)
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on `host:port` (0: any free port); returns the bound port."""
-        return serve_metrics(self.registry, host, port)
+    def serve(self, host: str, port: int, keys: ApiKeys | None = None) -> int:
+        """Serve /metrics on `host:port` (0: any free port), to callers with one of `keys` when
+        given; returns the bound port."""
+        return serve_metrics(self.registry, host, port, keys)

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.errors import ConfigError
-from pdserve.router.openai.access.keys import ApiKeys, load_api_keys
+from pdserve.common.api_keys import ApiKeys, load_api_keys
 from pdserve.router.openai.access.tenants import DEFAULT_TENANT, Tenant
 
 KEYS = ApiKeys({"key-a": Tenant("acme"), "key-b": Tenant("bolt")})

@@ -35,7 +35,7 @@ from pdserve.router.backend import GenerateBackend, LoraAdapters, Routing
 from pdserve.router.openai.admission import PendingLimit
 from pdserve.router.openai.access.guard import RequireApiKey, is_admin, tenant_of
 from pdserve.router.openai.access.hosts import RequireAllowedHost
-from pdserve.router.openai.access.keys import ApiKeys
+from pdserve.common.api_keys import ApiKeys
 from pdserve.router.openai.chat import create_chat_completion
 from pdserve.router.openai.completions import create_completion
 from pdserve.router.openai.errors import ApiError, from_exception, install_error_handlers

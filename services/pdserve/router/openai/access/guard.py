@@ -9,7 +9,7 @@ from collections.abc import Collection
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.router.openai.access.keys import ApiKeys
+from pdserve.common.api_keys import ApiKeys
 from pdserve.router.openai.access.tenants import Tenant
 from pdserve.router.openai.errors import ApiError
 

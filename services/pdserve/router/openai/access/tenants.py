@@ -1,6 +1,6 @@
 """Tenants and the cache salt the router derives for each of them.
 
-A tenant is who an API key belongs to (`auth.py`). Its requests get a cache salt derived from
+A tenant is who an API key belongs to (`common/api_keys.py`). Its requests get a cache salt derived from
 its name, so two tenants never share a KV block (the salt is part of the first block's key,
 and every later key chains from it). A client's own `cache_salt` only narrows isolation within
 its tenant: the effective salt is SHA-256 over (tenant, client salt) in an unambiguous
@@ -9,19 +9,11 @@ tenant's salt without a SHA-256 collision.
 """
 import hashlib
 import json
-import re
-from typing import NewType
 
-Tenant = NewType("Tenant", str)
-DEFAULT_TENANT = Tenant("default")  # whoever holds a key given with --api-key / PDSERVE_API_KEY
+from pdserve.common.api_keys import DEFAULT_TENANT, Tenant, is_tenant_name_ok
 
+__all__ = ["DEFAULT_TENANT", "Tenant", "effective_cache_salt", "is_tenant_name_ok"]
 _SALT_DOMAIN = b"pdserve cache salt v1\0"
-_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def is_tenant_name_ok(name: str) -> bool:
-    """Letters, digits, '.', '_' and '-', starting with a letter or digit, at most 64."""
-    return _TENANT_NAME.fullmatch(name) is not None
 
 
 def effective_cache_salt(tenant: Tenant | None, client_salt: str | None) -> str | None:

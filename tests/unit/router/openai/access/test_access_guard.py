@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from pdserve.router.openai.access.guard import RequireApiKey, tenant_of
-from pdserve.router.openai.access.keys import ApiKeys
+from pdserve.common.api_keys import ApiKeys
 from pdserve.router.openai.access.tenants import Tenant
 
 KEYS = ApiKeys({"key-a": Tenant("acme"), "key-b": Tenant("bolt")})

@@ -27,7 +27,7 @@ _ROLE_HELP = {
     pki.Role.PREFILL: "a prefill worker's identity (its worker id)",
     pki.Role.DECODE: "a decode worker's identity (its worker id)",
     pki.Role.BOTH: "an aggregated worker's identity (--role both; its worker id)",
-    pki.Role.PROBE: "a health checker's identity: it may ask a worker only Health and GetInfo",
+    pki.Role.PROBE: "a health checker's identity (it may ask a worker only Health and GetInfo)",
 }
 
 
@@ -72,12 +72,16 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{role}", action="append", default=[], type=_identity, metavar="NAME[=HOST,...]",
                             help=f"{help_text}, and the hosts it is dialled at (repeat for more)")
     parser.add_argument("--days", type=int, default=pki.DEFAULT_VALID_DAYS, help="validity of new certificates")
+    parser.add_argument("--identity", action="append", default=[], help=argparse.SUPPRESS)  # before roles
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.identity:
+        parser.error("--identity gave no role: name each identity by its role's flag instead, --router, "
+                     "--prefill, --decode, --both or --probe NAME[=HOST,...]")
     wanted = [(role, name, hosts) for role in _ROLE_HELP for name, hosts in getattr(args, role)]
     if not wanted:
         parser.error("name at least one identity: --router, --prefill, --decode, --both or --probe NAME[=HOST,...]")

@@ -39,9 +39,10 @@ def test_pdserve_certs_makes_an_authority_and_rotates_identities_under_it(tmp_pa
 
 
 @pytest.mark.parametrize("argv", [["--decode", "../escape"], [], ["--prefill", "w-0", "--decode", "w-0"],
-                                  ["--decode", "decode-0=prefill.pdserve-internal"]])
+                                  ["--decode", "decode-0=prefill.pdserve-internal"], ["--identity", "decode-0"]])
 def test_pdserve_certs_refuses_what_would_be_no_folder_or_no_single_role(tmp_path: Path, argv: list[str]) -> None:
-    """An identity that is no folder name, none at all, one identity in two roles, a host only a role names."""
+    """An identity that is no folder name, none at all, one identity in two roles, a host only a
+    role names, an identity without a role."""
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), *argv])
     assert not (tmp_path / pki.CA_CERT).exists()

@@ -154,21 +154,20 @@ async def trickle_bytes(sockets: list[socket.socket], interval_s: float) -> None
 
 
 async def stalled_readers(run: Run) -> dict:
-    """Streamed echo answers (`n` choices, 20 logprobs a token) whose clients read the status
-    line, then nothing, until the router frees their places; then each is read to its end to see
+    """Streamed answers (`n` choices, 20 logprobs a token) whose clients read the status line,
+    then nothing, until the router frees their places; then each is read to its end to see
     whether it was cut off."""
     args = run.args
-    num_prompt = echo_tokens(run, args.stalled_prompt_tokens, args.stalled_max_tokens)
     loop, sockets, heads = asyncio.get_running_loop(), [], []
     try:
         for i in range(args.stalled_readers):
-            body = {"prompt": await token_ids(run, num_prompt, 1000 + i), "max_tokens": args.stalled_max_tokens,
-                    "n": args.stalled_choices, "echo": True, "logprobs": 20, "ignore_eos": True, "temperature": 0,
-                    "stream": True}
+            body = {"prompt": f"Reader {i}: {STREAM_PROMPT}", "max_tokens": args.stalled_max_tokens,
+                    "n": args.stalled_choices, "logprobs": 20, "ignore_eos": True, "temperature": 0, "stream": True}
             sockets.append(sock := await connect(run, rcvbuf=STALLED_RCVBUF))
             await loop.sock_sendall(sock, request_bytes("/v1/completions", json.dumps(body).encode()))
         deadline = time.monotonic() + 600.0
-        heads = [(await read_until(sock, deadline, lambda got: b"\r\n\r\n" in got))[0] for sock in sockets]
+        heads = [head for head, _ in await asyncio.gather(
+            *(read_until(sock, deadline, lambda got: b"\r\n\r\n" in got) for sock in sockets))]
         answering = time.monotonic()
         run.engaged.set()
         freed_after_s = await places_freed(run, answering, args.send_timeout + 600.0)
@@ -180,9 +179,8 @@ async def stalled_readers(run: Run) -> dict:
             sock.close()
     outcomes = Counter(outcome(head + rest, how) for head, (rest, how) in zip(heads, ends, strict=True))
     return {"requests": len(sockets), "status_counts": dict(Counter(map(status_of, heads))),
-            "outcomes": dict(outcomes), "places_freed_after_s": freed_after_s, "prompt_tokens": num_prompt,
-            "choices": args.stalled_choices, "max_tokens": args.stalled_max_tokens, "logprobs": 20,
-            "client_rcvbuf": STALLED_RCVBUF}
+            "outcomes": dict(outcomes), "places_freed_after_s": freed_after_s, "choices": args.stalled_choices,
+            "max_tokens": args.stalled_max_tokens, "logprobs": 20, "client_rcvbuf": STALLED_RCVBUF}
 
 
 def outcome(answer: bytes, how: str) -> str:

@@ -5,14 +5,19 @@ role the subject's organizational unit (`CN=decode-0, OU=decode`): what it may c
 worker (`rpc/access.py`). A worker's certificate also names what it may be reached as, the DNS
 names `worker.pdserve-internal` (every worker) and `prefill.pdserve-internal` (a prefill
 worker): pdserve's clients check a server's certificate against the name of what they mean to
-reach (`rpc/tls.py`), so no other role's certificate passes for a worker. Its other subject
-alternative names, the host names and addresses it is dialled at, serve other TLS clients
+reach (`rpc/tls.py`), so no other role's certificate passes for a worker. Under each of those
+it also names its identity, `<first 32 hex digits of sha256(identity)>.<name>` (a digest: an
+identity need not be a DNS label), e.g. `<digest>.prefill.pdserve-internal`: a decode worker told
+which prefill worker it dials checks that one name, role and identity at once. An identity holds
+no "/": a worker id `<identity>/<instance>` names its certificate's identity before the first "/"
+(`common/tls.speaks_for`). Its other subject alternative names, the host names and addresses it is dialled at, serve other TLS clients
 (grpcurl). Keys are ECDSA P-256. A TLS folder holds what one process needs, named as a
 Kubernetes TLS Secret names them: `ca.crt` (the authority it trusts), `tls.crt` and `tls.key`
 (its own certificate and key).
 """
 import datetime
 import enum
+import hashlib
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -48,6 +53,18 @@ REACHED_AS: dict[Role, tuple[str, ...]] = {
     Role.ROUTER: (), Role.PROBE: (),  # they serve no gRPC
     Role.PREFILL: (WORKER_NAME, PREFILL_WORKER_NAME), Role.DECODE: (WORKER_NAME,), Role.BOTH: (WORKER_NAME,),
 }
+
+
+def identity_name(identity: str, name: str) -> str:
+    """The name under `name` (one of `REACHED_AS`) that only `identity`'s certificate carries."""
+    return f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.{name}"
+
+
+def reached_as(identity: str, role: Role) -> tuple[str, ...]:
+    """Every internal name a certificate of `identity` in `role` carries: its role's names, and
+    under each its identity's."""
+    names = REACHED_AS[Role(role)]
+    return (*names, *(identity_name(identity, name) for name in names))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +132,13 @@ class Authority:
     def issue(self, identity: str, role: Role, hosts: tuple[str, ...] = (),
               valid_days: int = DEFAULT_VALID_DAYS) -> Issued:
         """A certificate naming `identity` in `role`, for serving at `hosts` (plus this machine's
-        loopback names and the role's `REACHED_AS` names) and for calling others: both server and
+        loopback names and the names `reached_as` gives) and for calling others: both server and
         client authentication."""
         if not identity or len(identity) > 64:
             raise ValueError(f"identity {identity!r}: must be 1 to 64 characters")
+        if "/" in identity:  # a worker id's "/" ends its identity, then names an instance
+            raise ValueError(f"identity {identity!r}: holds no '/' (a worker id <identity>/<instance> names an "
+                             "instance of one)")
         if identity == identity_of(self.cert_pem):  # would read as self-signed, and fail verification
             raise ValueError(f"identity {identity!r}: the authority's own name")
         role = Role(role)
@@ -126,7 +146,7 @@ class Authority:
         if internal:  # a decode worker's certificate naming prefill.pdserve-internal would pass for a prefill one
             raise ValueError(f"host {internal[0]!r}: the names under {INTERNAL_DOMAIN} are the roles' own")
         key = ec.generate_private_key(ec.SECP256R1())
-        names = [_alt_name(host) for host in dict.fromkeys((*hosts, *LOCAL_HOSTS, *REACHED_AS[role])) if host]
+        names = [_alt_name(host) for host in dict.fromkeys((*hosts, *LOCAL_HOSTS, *reached_as(identity, role))) if host]
         now = _now()
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity),
                              x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role.value)])
@@ -154,6 +174,15 @@ def is_internal_name(host: str) -> bool:
 def identity_of(cert_pem: bytes) -> str:
     """The identity a certificate names (its common name)."""
     return _subject_value(cert_pem, NameOID.COMMON_NAME, "common name")
+
+
+def dns_names_of(cert_pem: bytes) -> tuple[str, ...]:
+    """The DNS names among a certificate's subject alternative names."""
+    try:
+        names = x509.load_pem_x509_certificate(cert_pem).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return ()
+    return tuple(names.value.get_values_for_type(x509.DNSName))
 
 
 def role_of(cert_pem: bytes) -> Role:

@@ -60,6 +60,11 @@ def resolve_tls(tls_dir: str | None, insecure_internal: bool, role: pki.Role,
     if tls.role != role:
         raise ConfigError(setting, tls_dir, f"{pki.CERT} is a certificate of role {tls.role.value!r} "
                                             f"({tls.identity!r}); this process needs one of role {role.value!r}")
+    missing = set(pki.reached_as(tls.identity, role)) - set(pki.dns_names_of(tls.cert))
+    if missing:  # issued before certificates named their identity: no decode worker could reach it
+        raise ConfigError(setting, tls_dir, f"{pki.CERT} ({tls.identity!r}) does not name {min(missing)!r}, a "
+                                            f"name every {role.value} certificate carries; issue it again with "
+                                            f"`pdserve certs --{role.value} {tls.identity}`")
     return tls
 
 
@@ -72,4 +77,10 @@ def speaks_for(identity: str, worker_id: str) -> bool:
     its instances, `<identity>/<instance>` (the pods of one Deployment share a certificate,
     each instance named after its pod, so NIXL agent names stay distinct)."""
     return worker_id == identity or worker_id.startswith(identity + "/")
+
+
+def identity_of_worker(worker_id: str) -> str:
+    """The identity whose certificate a worker of `worker_id` holds: the id before its first "/"
+    (an identity holds none, `pki.Authority.issue`)."""
+    return worker_id.partition("/")[0]
 

@@ -13,13 +13,14 @@ from pdserve.rpc.tls import aio_channel
 class KvTransferClient:
     """One channel to the KvTransfer service at `address`; a failed call raises the typed
     error of `rpc.status.error_from_rpc` (unreachable, deadline, or the peer's own error).
-    `tls`: mutual TLS under our certificate, to a server whose certificate is a prefill worker's
-    (any other is unreachable: our grant key and NIXL metadata go to prefill workers only);
-    None: plain text."""
+    `tls`: mutual TLS under our certificate, to a server whose certificate names `server_name`:
+    a prefill worker's, by default, or one prefill worker's (`pki.identity_name`); any other is
+    unreachable: our grant key and NIXL metadata go to the prefill worker we mean only. None:
+    plain text."""
 
-    def __init__(self, address: str, tls: TlsConfig | None = None) -> None:
+    def __init__(self, address: str, tls: TlsConfig | None = None, server_name: str = PREFILL_WORKER_NAME) -> None:
         self.address = address
-        self._channel = aio_channel(address, tls, PREFILL_WORKER_NAME)
+        self._channel = aio_channel(address, tls, server_name)
         self._stub = kv_transfer_pb2_grpc.KvTransferStub(self._channel)
 
     async def handshake(self, hello: Hello, timeout_s: float) -> Hello:

@@ -3,8 +3,10 @@ identity of the process at the other end of a call.
 
 A channel checks the server's certificate against the name of what it means to reach, not the
 host it dials: `pki.WORKER_NAME` for any worker, `pki.PREFILL_WORKER_NAME` for a prefill worker's
-KvTransfer service. Only a certificate of that role names it, so the TLS handshake itself fails
-when a router's or a decode worker's certificate answers at a prefill worker's address, and a
+KvTransfer service, or that name's `pki.identity_name` for one prefill worker's (a decode worker
+told which one it dials). Only a certificate of that role (and identity) names it, so the TLS
+handshake itself fails when a router's or a decode worker's certificate, or another prefill
+worker's where one was named, answers at a prefill worker's address, and a
 worker dialled at a pod or container IP (DNS discovery, the address a router passes on) needs no
 certificate naming that IP. The authority is private to the deployment, and who is at the other
 end is read from the certificate, not from its address.

@@ -1,6 +1,6 @@
 """The decode worker's engine: prompts prefilled by a prefill worker, tokens decoded here.
 
-    generate(request, prefill_worker)
+    generate(request, prefill_worker, prefill_worker_id)
       local prefill when: no prefill worker, n > 1, prompt logprobs asked for (they come from
                           the prompt's logits), few tokens missing from our own cache,
                           the peer cannot be reached, it does not hold the request's LoRA
@@ -81,8 +81,9 @@ class DecodeEngine:
     async def check_integrity(self) -> KvIntegrity:
         return await self._engine.check_integrity()
 
-    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
-        peer, reason = await self._peer(request, prefill_worker)
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                       prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
+        peer, reason = await self._peer(request, prefill_worker, prefill_worker_id)
         config = self._config
         start_by = time.time() + config.prefill_queue_timeout_s
         deadline = start_by + config.transfer_timeout_s
@@ -122,18 +123,20 @@ class DecodeEngine:
             if self._queued[address] <= 0:
                 del self._queued[address]
 
-    async def _peer(self, request: GenerationRequest, prefill_worker: str | None) -> tuple[PrefillPeer | None, str | None]:
-        """The prefill worker to use, or None and why the prompt is prefilled here."""
+    async def _peer(self, request: GenerationRequest, prefill_worker: str | None,
+                    prefill_worker_id: WorkerId | None = None) -> tuple[PrefillPeer | None, str | None]:
+        """The prefill worker to use (at `prefill_worker`, the one of `prefill_worker_id` when
+        given: `PrefillPeers.get`), or None and why the prompt is prefilled here."""
         reason = self._local_reason(request, prefill_worker)
         if reason is not None:
             return None, reason
         try:
-            peer = await self._peers.get(prefill_worker)
+            peer = await self._peers.get(prefill_worker, prefill_worker_id)
             if request.lora_id is None or request.lora_id in peer.lora_ids:
                 return self._queue_on(peer)
             if peer.our_lora_ids != self._peers.lora_ids():  # our adapters changed since: so may its
                 await self._peers.forget(peer)
-                peer = await self._peers.get(prefill_worker)
+                peer = await self._peers.get(prefill_worker, prefill_worker_id)
         except PdserveError as exc:
             log.warning("prefill worker %s unusable, prefilling locally: %s", prefill_worker, exc)
             return None, "peer_unavailable"
@@ -171,7 +174,7 @@ class DecodeEngine:
             except UnknownPeerError as exc:
                 log.info("prefill worker at %s does not know us (%s): handshaking again", peer.address, exc)
                 await self._peers.forget(peer)
-                peer = await self._peers.get(peer.address)
+                peer = await self._peers.get(peer.address, peer.identity)
                 result = await _send(peer, order)
         except PdserveError as exc:
             log.warning("KV transfer for %s from %s failed: %s", request.request_id, peer.address, exc)

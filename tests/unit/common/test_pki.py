@@ -22,7 +22,8 @@ def test_an_issued_certificate_names_its_identity_role_and_hosts_and_is_signed_b
     assert (pki.identity_of(issued.cert), pki.role_of(issued.cert)) == ("decode-0", pki.Role.DECODE)
     assert cert.subject.rfc4514_string() == "OU=decode,CN=decode-0"
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert names.get_values_for_type(x509.DNSName) == ["decode", "localhost", pki.WORKER_NAME]
+    assert names.get_values_for_type(x509.DNSName) == ["decode", "localhost", pki.WORKER_NAME,
+                                                       pki.identity_name("decode-0", pki.WORKER_NAME)]
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.7", "127.0.0.1", "::1"]
     cert.verify_directly_issued_by(authority.cert)
     other = pki.Authority.create("other")
@@ -51,8 +52,9 @@ def test_an_authority_saved_and_loaded_keeps_issuing_under_the_same_trust(tmp_pa
 
 
 @pytest.mark.parametrize(("identity", "why"), [("", "1 to 64"), ("x" * 65, "1 to 64"),
-                                               ("test", "the authority's own name")])
-def test_an_identity_must_be_1_to_64_characters_and_not_the_authority(identity: str, why: str) -> None:
+                                               ("test", "the authority's own name"), ("p/pod-a", "holds no '/'")])
+def test_an_identity_must_be_1_to_64_characters_without_a_slash_and_not_the_authority(identity: str,
+                                                                                      why: str) -> None:
     with pytest.raises(ValueError, match=why):
         pki.Authority.create("test").issue(identity, pki.Role.DECODE)
 
@@ -72,9 +74,17 @@ def test_each_role_is_reached_only_under_the_names_of_what_it_serves(role: pki.R
     cert = x509.load_pem_x509_certificate(pki.Authority.create("test").issue("p", role).cert)
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     internal = [n for n in names.get_values_for_type(x509.DNSName) if pki.is_internal_name(n)]
-    assert internal == {pki.Role.PREFILL: [pki.WORKER_NAME, pki.PREFILL_WORKER_NAME],
-                        pki.Role.DECODE: [pki.WORKER_NAME], pki.Role.BOTH: [pki.WORKER_NAME],
-                        pki.Role.ROUTER: [], pki.Role.PROBE: []}[role]
+    roles = {pki.Role.PREFILL: [pki.WORKER_NAME, pki.PREFILL_WORKER_NAME], pki.Role.DECODE: [pki.WORKER_NAME],
+             pki.Role.BOTH: [pki.WORKER_NAME], pki.Role.ROUTER: [], pki.Role.PROBE: []}[role]
+    assert internal == [*roles, *(pki.identity_name("p", name) for name in roles)]
+
+
+def test_an_identity_is_named_under_its_roles_name_by_a_digest() -> None:
+    """Identities need not be DNS labels ("prefill@10.0.0.7:50051"); their names differ by identity."""
+    assert pki.identity_name("prefill@10.0.0.7:50051", pki.PREFILL_WORKER_NAME) == (
+        "3073ad869816fa0fb16879a74517d083.prefill.pdserve-internal")
+    assert pki.identity_name("p", pki.PREFILL_WORKER_NAME) != pki.identity_name("q", pki.PREFILL_WORKER_NAME)
+    assert pki.identity_name("p", pki.PREFILL_WORKER_NAME) != pki.identity_name("p", pki.WORKER_NAME)
 
 
 @pytest.mark.parametrize("host", ["prefill.pdserve-internal", "pdserve-internal", "x.worker.pdserve-internal"])
@@ -90,13 +100,25 @@ def test_a_process_refuses_a_certificate_of_another_role_at_start(tmp_path: Path
         resolve_tls(str(folder), False, pki.Role.PREFILL)
 
 
-def certificate_with_subject(subject: x509.Name) -> pki.Issued:
+def test_a_worker_refuses_a_certificate_issued_before_certificates_named_their_identity(tmp_path: Path) -> None:
+    issued = certificate_with_subject(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "prefill-0"),
+                                                 x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "prefill")]),
+                                      (pki.WORKER_NAME, pki.PREFILL_WORKER_NAME))
+    folder = issued.write(tmp_path / "old")
+    with pytest.raises(ConfigError, match=r"\('prefill-0'\) does not name '[0-9a-f]{32}\.(prefill|worker)\."
+                                          r"pdserve-internal'.*pdserve certs --prefill prefill-0"):
+        resolve_tls(str(folder), False, pki.Role.PREFILL)
+
+
+def certificate_with_subject(subject: x509.Name, dns_names: tuple[str, ...] = ()) -> pki.Issued:
     """A TLS folder's files whose certificate names `subject` (self-signed: only read, never verified)."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-            .sign(key, hashes.SHA256()))
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+               .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1)))
+    if dns_names:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), False)
+    cert = builder.sign(key, hashes.SHA256())
     pem = cert.public_bytes(serialization.Encoding.PEM)
     return pki.Issued(pem, pem, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                   serialization.NoEncryption()))

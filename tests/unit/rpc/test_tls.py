@@ -1,7 +1,7 @@
 """Mutual TLS on real gRPC servers in one process: a worker answers only callers with a
 certificate of its authority, the KvTransfer service lets a caller speak only for the identity
-in its certificate, and a client reaches only a server whose certificate is of the role it
-means to reach."""
+in its certificate, and a client reaches only a server whose certificate is of the role (and,
+when it names one, the identity) it means to reach."""
 import asyncio
 
 import pytest
@@ -205,5 +205,32 @@ def test_a_decode_worker_hands_its_hello_only_to_a_server_whose_certificate_is_a
             await server.stop(0)
 
     reached = server_role == pki.Role.PREFILL
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == (
+        ("prefill-0", ["handshake decode-0"]) if reached else (WorkerUnavailableError, []))
+
+
+@pytest.mark.parametrize(("identity", "server_role"), [("prefill-0", pki.Role.PREFILL), ("prefill-1", pki.Role.PREFILL),
+                                                       ("prefill-0", pki.Role.DECODE), ("prefill-0", pki.Role.BOTH)])
+def test_a_decode_worker_told_which_prefill_worker_it_dials_reaches_only_that_one(
+        identity: str, server_role: pki.Role) -> None:
+    """One name checks role and identity at once: another prefill worker's certificate, or a
+    certificate of prefill-0's identity in another role, fails the TLS handshake."""
+    async def scenario() -> tuple[object, list[str]]:
+        handler = RecordingHandler()
+        server = aio_server()
+        add_kv_transfer_service(server, handler)
+        port = add_port(server, "127.0.0.1:0", tls(identity, server_role))
+        await server.start()
+        client = KvTransferClient(f"127.0.0.1:{port}", tls("decode-0", pki.Role.DECODE),
+                                  pki.identity_name("prefill-0", pki.PREFILL_WORKER_NAME))
+        try:
+            return (await client.handshake(Hello(WorkerId("decode-0"), b"m"), 5.0)).worker_id, handler.calls
+        except WorkerUnavailableError as exc:
+            return type(exc), handler.calls
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    reached = (identity, server_role) == ("prefill-0", pki.Role.PREFILL)
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == (
         ("prefill-0", ["handshake decode-0"]) if reached else (WorkerUnavailableError, []))

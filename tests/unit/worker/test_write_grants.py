@@ -131,9 +131,9 @@ def test_an_order_resent_after_a_slow_handshake_keeps_its_deadline_and_lands_not
         config = pair.decode._config
         lease_s = config.prefill_queue_timeout_s + config.transfer_timeout_s + config.lease_grace_s
 
-        async def slow_connect(at: str):
+        async def slow_connect(at: str, identity: str | None):
             await asyncio.sleep(lease_s + 0.5)
-            return await connect(at)
+            return await connect(at, identity)
 
         pair.decode._peers._connect = slow_connect
         writes = len(pair.tp.posted)

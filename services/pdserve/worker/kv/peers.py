@@ -8,6 +8,13 @@ restarted), while calls already in flight on the old channel finish on it — re
 never cancels another request's prefill (and with it, a reservation a write may still reach).
 Each connection has a fresh write-grant key (`write_grants.py`), sent in its handshake; every
 order on it carries a grant under that key. A peer of another deployment is refused.
+
+Under TLS a request may name the prefill worker it expects at an address (its id, as the router
+learned it): the channel then accepts only that worker's certificate (`pki.identity_name`), so
+another prefill worker answering there never sees our hello, and its handshake reply must speak
+for that identity. One connection per address: a peer checked for an identity serves requests
+that name it or none; one that names another identity replaces it (a new handshake), and a
+request naming none reuses whatever is connected (a prefill worker, checked by role).
 """
 import asyncio
 import logging
@@ -18,7 +25,8 @@ from collections.abc import Callable
 from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
 from pdserve.common.errors import PdserveError, PermissionDeniedError, WorkerUnavailableError
 from pdserve.common.ids import WorkerId
-from pdserve.common.tls import TlsConfig
+from pdserve.common.pki import PREFILL_WORKER_NAME, identity_name
+from pdserve.common.tls import TlsConfig, identity_of_worker, speaks_for
 from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.transfer.interface import KvTransport
 from pdserve.worker.kv.write_grants import granted, new_order_key
@@ -29,9 +37,11 @@ RETRY_AFTER_S = 5.0
 
 class PrefillPeer:
     def __init__(self, address: str, peer_id: WorkerId, client: KvTransferClient, order_key: bytes,
-                 lora_ids: frozenset[int] = frozenset(), our_lora_ids: frozenset[int] = frozenset()) -> None:
+                 lora_ids: frozenset[int] = frozenset(), our_lora_ids: frozenset[int] = frozenset(),
+                 identity: str | None = None) -> None:
         self.address = address
         self.peer_id = peer_id
+        self.identity = identity  # the certificate identity checked at the handshake; None: its role only
         self.lora_ids = lora_ids  # the LoRA adapters it held at the handshake
         self.our_lora_ids = our_lora_ids  # and those we held then
         self._client = client
@@ -67,25 +77,32 @@ class PrefillPeers:
         self._tls = tls
         self._peers: dict[str, PrefillPeer] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._retry_at: dict[str, float] = {}  # address -> when to dial it again after a failed handshake
+        # (address, identity expected there) -> when to dial it again after a failed handshake
+        self._retry_at: dict[tuple[str, str | None], float] = {}
 
-    async def get(self, address: str) -> PrefillPeer:
-        """The connected peer at `address`; raises IncompatiblePeerError, TransferError or
+    async def get(self, address: str, worker_id: str | None = None) -> PrefillPeer:
+        """The connected peer at `address`: under TLS, with `worker_id` (a worker id or an
+        identity), the prefill worker of that certificate identity, else any prefill worker.
+        Raises IncompatiblePeerError, PermissionDeniedError, TransferError or
         WorkerUnavailableError when it cannot be used."""
+        identity = identity_of_worker(worker_id) if worker_id and self._tls is not None else None
         async with self._locks[address]:
             peer = self._peers.get(address)
-            if peer is None:
-                wait_s = self._retry_at.get(address, 0.0) - time.monotonic()
-                if wait_s > 0:
-                    raise WorkerUnavailableError(address, f"its last KV handshake failed; next try in {wait_s:.1f} s")
-                try:
-                    peer = await self._connect(address)
-                except PdserveError:
-                    self._retry_at[address] = time.monotonic() + RETRY_AFTER_S
-                    raise
-                self._retry_at.pop(address, None)
-                self._peers[address] = peer
-            return peer
+            if peer is not None and identity in (None, peer.identity):
+                return peer
+            wait_s = self._retry_at.get((address, identity), 0.0) - time.monotonic()
+            if wait_s > 0:
+                raise WorkerUnavailableError(address, f"its last KV handshake failed; next try in {wait_s:.1f} s")
+            try:
+                fresh = await self._connect(address, identity)
+            except PdserveError:
+                self._retry_at[(address, identity)] = time.monotonic() + RETRY_AFTER_S
+                raise
+            self._retry_at.pop((address, identity), None)
+            self._peers[address] = fresh
+        if peer is not None:  # checked for another identity, or for none: replaced
+            await peer.retire()
+        return fresh
 
     async def forget(self, peer: PrefillPeer) -> None:
         """Retire `peer` if it is still the one cached for its address (a newer handshake
@@ -101,13 +118,19 @@ class PrefillPeers:
             await self.forget(peer)
             self._transport.remove_peer(peer.peer_id)
 
-    async def _connect(self, address: str) -> PrefillPeer:
-        client = KvTransferClient(address, self._tls)
+    async def _connect(self, address: str, identity: str | None) -> PrefillPeer:
+        """Handshake with the prefill worker at `address`, of certificate identity `identity`
+        (None: any prefill worker)."""
+        server_name = PREFILL_WORKER_NAME if identity is None else identity_name(identity, PREFILL_WORKER_NAME)
+        client = KvTransferClient(address, self._tls, server_name)
         order_key = new_order_key()
         ours = self.lora_ids()
         hello = Hello(self._transport.worker_id, self._transport.local_metadata(), self._deployment_id, order_key, ours)
         try:
             reply = await client.handshake(hello, self._rpc_timeout_s)
+            if identity is not None and not speaks_for(identity, reply.worker_id):
+                raise PermissionDeniedError(f"{address}: the prefill worker of identity {identity!r} answered as "
+                                            f"{reply.worker_id!r}")
             if reply.deployment_id != self._deployment_id:
                 raise PermissionDeniedError(f"{address}: prefill worker {reply.worker_id!r} belongs to deployment "
                                             f"{reply.deployment_id!r}, not {self._deployment_id!r}")
@@ -119,4 +142,4 @@ class PrefillPeers:
         if reply.lora_ids != ours:
             log.warning("KV peer %s holds other LoRA adapters than we do (%d of ours it lacks): prompts under "
                         "those are prefilled here", reply.worker_id, len(ours - reply.lora_ids))
-        return PrefillPeer(address, reply.worker_id, client, order_key, reply.lora_ids, ours)
+        return PrefillPeer(address, reply.worker_id, client, order_key, reply.lora_ids, ours, identity)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from http_fakes import STATS, WORDS, WordBackend, greedy_word, load_test_tokenizer, model_info
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, ModelInfo
 from pdserve.models.tokenizer import Tokenizer
@@ -31,7 +31,8 @@ class WordEngine:
     def __init__(self, backend: WordBackend) -> None:
         self.backend = backend
 
-    def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                 prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
         return self.backend.generate(request)
 
     async def abort(self, request_id: RequestId) -> None:

@@ -3,9 +3,11 @@
 Every method of every worker refuses a caller without a certificate of serve's authority (plain
 text, no client certificate, or one of another authority); a caller with a valid certificate of
 another role (the router's) or of another identity (the decode worker's, speaking for another)
-can neither replace a peer nor order writes into a decode worker's blocks; and requests still
+can neither replace a peer nor order writes into a decode worker's blocks; a decode worker
+reaches a prefill worker only under the id the router learned from it; and requests still
 complete with KV moved from the prefill worker.
 """
+import asyncio
 import json
 import subprocess
 import urllib.request
@@ -17,8 +19,11 @@ import grpc
 import pytest
 
 from pdserve.common import pki
+from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.request import GenerationRequest, SamplingParams
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc.gen import kv_events_pb2, kv_transfer_pb2, request_pb2, worker_pb2
+from pdserve.rpc.worker_client import GrpcBackend
 from tests.fuzz.worker_calls import call_raw
 from tests.integration.stack import (
     banner_address,
@@ -110,6 +115,32 @@ def channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.C
 def test_a_completion_moves_its_kv_from_the_prefill_worker_over_the_default_tls(serve: Serve) -> None:
     _, route = complete(serve.url)
     assert route["prefilled_by"] == serve.prefill, route
+
+
+def test_a_decode_worker_reaches_the_prefill_worker_only_under_the_id_the_router_learned_from_it(serve: Serve) -> None:
+    """The prefill worker's GetInfo names its id, its certificate's identity, and the router
+    passes it on. Told another id for that address, as after another worker claimed it there,
+    the decode worker prefills the prompt itself: the certificate answering is not that worker's."""
+    async def scenario() -> tuple[WorkerId | None, list[str]]:
+        prefill = GrpcBackend(serve.prefill, rpc_timeout_s=CALL_TIMEOUT_S, tls=serve.router_tls)
+        decode = GrpcBackend(serve.decode, rpc_timeout_s=CALL_TIMEOUT_S, generate_timeout_s=60.0,
+                             tls=serve.router_tls)
+        try:
+            learned = (await prefill.info()).worker_id
+            prefilled_by = []
+            for i, told in enumerate([WorkerId("prefill@10.0.0.9:50051"), learned]):
+                prompt = tuple(range(1000 + 100 * i, 1064 + 100 * i))  # 64 tokens no worker has cached
+                request = GenerationRequest(RequestId(f"told-{i}"), prompt, SamplingParams(max_tokens=2))
+                outputs = [out async for out in decode.generate(request, serve.prefill, told)]
+                prefilled_by.append(outputs[0].prefilled_by)
+            return learned, prefilled_by
+        finally:
+            await prefill.close()
+            await decode.close()
+
+    learned, prefilled_by = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert learned == serve.credentials_of(pki.Role.PREFILL).identity == f"prefill@{serve.prefill}"
+    assert prefilled_by == ["local", serve.prefill]
 
 
 def test_every_method_of_every_worker_refuses_a_caller_without_a_certificate_of_the_authority(serve: Serve) -> None:

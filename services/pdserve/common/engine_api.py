@@ -3,7 +3,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 
@@ -13,8 +13,9 @@ class AsyncEngine(Protocol):
 
     Contracts:
     - `prefill_worker` (a decode worker's option) names the prefill worker to compute the prompt
-      and push its KV; an engine without disaggregation, or one that judges the prompt better
-      prefilled locally, ignores it.
+      and push its KV, by its address, and `prefill_worker_id` by its id when the router knows
+      it (the decode worker then accepts only that worker's certificate there); an engine
+      without disaggregation, or one that judges the prompt better prefilled locally, ignores them.
     - `generate` admits the request and yields its `RequestOutput` deltas; the iterator ends
       once each of the request's `n` completions has yielded an output with `finish_reason`.
       It raises `InvalidRequestError` for a request the engine cannot serve (prompt too long,
@@ -24,7 +25,8 @@ class AsyncEngine(Protocol):
     - `stats` and `info` return at once, without waiting for an engine step.
     """
 
-    def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                 prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: RequestId) -> None: ...
 

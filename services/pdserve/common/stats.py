@@ -6,7 +6,7 @@ it computes the same block keys as the worker and to weigh load when it picks a 
 import enum
 from dataclasses import dataclass
 
-from pdserve.common.ids import DeploymentId
+from pdserve.common.ids import DeploymentId, WorkerId
 
 
 class WorkerRole(enum.StrEnum):
@@ -49,11 +49,13 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """A worker's answer to the router's first question: its model, and the deployment it was
-    started in (None: started without a deployment id)."""
+    """A worker's answer to the router's first question: its model, the deployment it was
+    started in (None: started without a deployment id), and its id (None: a worker that does
+    not say)."""
 
     model: ModelInfo
     deployment_id: DeploymentId | None
+    worker_id: WorkerId | None = None
 
 
 @dataclass(frozen=True, slots=True)

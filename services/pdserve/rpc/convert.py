@@ -11,7 +11,7 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from pdserve.common.errors import InvalidRequestError, WorkerError
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import (
     GenerationRequest,
     Guide,
@@ -133,8 +133,10 @@ def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
     )
 
 
-def request_to_proto(request: GenerationRequest, prefill_worker: str | None = None) -> rpb.GenerateRequest:
-    """`prefill_worker`: the address of the prefill worker a decode worker should use."""
+def request_to_proto(request: GenerationRequest, prefill_worker: str | None = None,
+                     prefill_worker_id: WorkerId | None = None) -> rpb.GenerateRequest:
+    """`prefill_worker`: the address of the prefill worker a decode worker should use, and
+    `prefill_worker_id` its id (None: not known)."""
     priorities = [_checked(rpb.PriorityRange, "priorities", start=p.start, end=p.end,
                            priority=p.priority, duration_s=p.duration_s)
                   for p in request.priorities]
@@ -146,11 +148,16 @@ def request_to_proto(request: GenerationRequest, prefill_worker: str | None = No
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         cache_salt=request.cache_salt, lora_id=request.lora_id, priorities=priorities,
         multimodal=multimodal, sampling=sampling_to_proto(request.sampling), prefill_worker=prefill_worker,
+        prefill_worker_id=prefill_worker_id,
     )
 
 
 def prefill_worker_from_proto(msg: rpb.GenerateRequest) -> str | None:
     return msg.prefill_worker if msg.HasField("prefill_worker") else None
+
+
+def prefill_worker_id_from_proto(msg: rpb.GenerateRequest) -> WorkerId | None:
+    return WorkerId(msg.prefill_worker_id) if msg.HasField("prefill_worker_id") else None
 
 
 def request_from_proto(msg: rpb.GenerateRequest) -> GenerationRequest:

@@ -7,7 +7,7 @@ import grpc
 from google.protobuf.message import Message
 
 from pdserve.common.errors import InvalidRequestError, WorkerTimeoutError, WorkerUnavailableError
-from pdserve.common.ids import DeploymentId, RequestId
+from pdserve.common.ids import DeploymentId, RequestId, WorkerId
 from pdserve.common.pki import WORKER_NAME
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, WorkerInfo
@@ -75,11 +75,13 @@ class GrpcBackend:
         assert self._loras is not None
         return self._loras
 
-    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                       prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Closing this iterator early (`aclose()`, or
         cancelling the task iterating it) cancels the call, and the worker aborts the request.
-        `prefill_worker`: a prefill worker's address for this (decode) worker to use."""
-        message = convert.request_to_proto(request, prefill_worker)
+        `prefill_worker`: a prefill worker's address for this (decode) worker to use;
+        `prefill_worker_id`: its id, whose certificate alone the decode worker accepts there."""
+        message = convert.request_to_proto(request, prefill_worker, prefill_worker_id)
         stream = await self._outputs()
         queue = stream.register(request.request_id)  # None: the id runs here already (the worker will say so)
         if queue is not None:
@@ -137,7 +139,8 @@ class GrpcBackend:
 
     async def info(self) -> WorkerInfo:
         reply = await self._call(self._worker().GetInfo, wpb.GetInfoRequest())
-        return WorkerInfo(convert.info_from_proto(reply.info), DeploymentId(reply.deployment_id) or None)
+        return WorkerInfo(convert.info_from_proto(reply.info), DeploymentId(reply.deployment_id) or None,
+                          WorkerId(reply.worker_id) or None)
 
     async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
         """Load a LoRA adapter on the worker (its files are read there, within `LORA_TIMEOUT_S`)."""

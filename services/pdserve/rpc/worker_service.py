@@ -19,7 +19,7 @@ from pdserve.common.errors import (
     OverloadedError,
     PdserveError,
 )
-from pdserve.common.ids import DeploymentId, RequestId
+from pdserve.common.ids import DeploymentId, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest
 from pdserve.rpc import convert
 from pdserve.rpc.gen import request_pb2 as rpb
@@ -38,11 +38,14 @@ async def _fail(context: grpc.aio.ServicerContext, exc: PdserveError) -> NoRetur
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serves one engine, started in `deployment_id` (None: none); the server around it owns the lifecycle."""
+    """Serves one engine, started in `deployment_id` (None: none) as worker `worker_id` (None:
+    not told); the server around it owns the lifecycle."""
 
-    def __init__(self, engine: AsyncEngine, deployment_id: DeploymentId | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, deployment_id: DeploymentId | None = None,
+                 worker_id: WorkerId | None = None) -> None:
         self._engine = engine
         self._deployment_id = deployment_id
+        self._worker_id = worker_id
         self.output_streams = OutputHub()
 
     async def Generate(
@@ -54,15 +57,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await _fail(context, exc)
             return
         prefill_worker = convert.prefill_worker_from_proto(request)
+        prefill_worker_id = convert.prefill_worker_id_from_proto(request)
         queue = self.output_streams.get(request.output_stream) if request.HasField("output_stream") else None
         if request.HasField("output_stream") and queue is None:  # never opened here, or closed as this worker stops
             await _fail(context, InvalidRequestError(f"no output stream {request.output_stream!r} is open here",
                                                      "output_stream"))  # nothing ran: the id may be another's
         try:
             if queue is not None:
-                await self._stream_to(gen_request, prefill_worker, queue)
+                await self._stream_to(gen_request, prefill_worker, prefill_worker_id, queue)
             else:
-                await self._stream(gen_request, prefill_worker, context)
+                await self._stream(gen_request, prefill_worker, prefill_worker_id, context)
         except DuplicateRequestError as exc:  # the id names another live request: leave it be
             await _fail(context, exc)
         except (OverloadedError, EngineWedgedError) as exc:  # refused before admission: nothing to abort
@@ -75,16 +79,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise
 
     async def _stream(
-        self, request: GenerationRequest, prefill_worker: str | None, context: grpc.aio.ServicerContext
+        self, request: GenerationRequest, prefill_worker: str | None, prefill_worker_id: WorkerId | None,
+        context: grpc.aio.ServicerContext
     ) -> None:
-        async with aclosing(self._engine.generate(request, prefill_worker)) as outputs:
+        async with aclosing(self._engine.generate(request, prefill_worker, prefill_worker_id)) as outputs:
             async for output in outputs:
                 await context.write(convert.output_to_proto(output))
 
-    async def _stream_to(self, request: GenerationRequest, prefill_worker: str | None, queue: OutputQueue) -> None:
+    async def _stream_to(self, request: GenerationRequest, prefill_worker: str | None,
+                         prefill_worker_id: WorkerId | None, queue: OutputQueue) -> None:
         """The outputs onto the caller's StreamOutputs call (`queue`); none on this call."""
         with self.output_streams.putting():
-            async with aclosing(self._engine.generate(request, prefill_worker)) as outputs:
+            async with aclosing(self._engine.generate(request, prefill_worker, prefill_worker_id)) as outputs:
                 async for output in outputs:
                     queue.put(output)  # WorkerUnavailableError once the stream closed: aborted below
 
@@ -127,7 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: wpb.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> wpb.GetInfoResponse:
         return wpb.GetInfoResponse(info=convert.info_to_proto(self._engine.info()),
-                                   deployment_id=self._deployment_id or "")
+                                   deployment_id=self._deployment_id or "", worker_id=self._worker_id or "")
 
     async def CheckKvIntegrity(
         self, request: wpb.CheckKvIntegrityRequest, context: grpc.aio.ServicerContext
@@ -138,9 +144,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                             num_used_blocks=report.num_used_blocks)
 
 
-def add_worker_service(server: grpc.aio.Server, engine: AsyncEngine,
-                       deployment_id: DeploymentId | None = None) -> WorkerServicer:
+def add_worker_service(server: grpc.aio.Server, engine: AsyncEngine, deployment_id: DeploymentId | None = None,
+                       worker_id: WorkerId | None = None) -> WorkerServicer:
     """Serve `engine` as the Worker service of `server`."""
-    servicer = WorkerServicer(engine, deployment_id)
+    servicer = WorkerServicer(engine, deployment_id, worker_id)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     return servicer

@@ -18,7 +18,7 @@ import signal
 import sys
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.ids import DeploymentId
+from pdserve.common.ids import DeploymentId, WorkerId
 from pdserve.common.pki import Role
 from pdserve.common.api_keys import load_api_keys
 from pdserve.common.ports import check_port_free
@@ -138,7 +138,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
                  settings.deployment_id or "none", settings.host, settings.port)
         await serve_until_stopped(served, settings.host, settings.port, stop, settings.drain_timeout_s,
                                   services, DeploymentId(settings.deployment_id) if settings.deployment_id else None,
-                                  tls, settings.health_port)
+                                  tls, settings.health_port, WorkerId(settings.peer_name))
     finally:
         background.cancel()
         watching.cancel()

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.errors import EngineWedgedError, OverloadedError
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 
@@ -30,8 +30,8 @@ class BoundedEngine:
         self._wedge = wedge
         self.num_waiting = 0
 
-    async def generate(self, request: GenerationRequest,
-                       prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                       prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
         self._check_serving()
         if self.num_waiting >= self._max_waiting:
             raise OverloadedError(f"{self.num_waiting} requests are waiting for their first token "
@@ -39,7 +39,7 @@ class BoundedEngine:
         self.num_waiting += 1
         is_waiting = True
         try:
-            async with aclosing(self._inner.generate(request, prefill_worker)) as outputs:
+            async with aclosing(self._inner.generate(request, prefill_worker, prefill_worker_id)) as outputs:
                 async for output in outputs:
                     if is_waiting:
                         self.num_waiting -= 1

@@ -28,7 +28,7 @@ from functools import partial
 from typing import TypeVar
 
 from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
@@ -144,9 +144,9 @@ class ThreadedEngine:
         return self._queues  # as of the last loop turn
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
-                       prefill_only: bool = False, hold_lease_s: float = 30.0,
-                       start_by: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Admit and stream the request. `prefill_worker` is ignored here (aggregated serving);
+                       prefill_worker_id: WorkerId | None = None, *, prefill_only: bool = False,
+                       hold_lease_s: float = 30.0, start_by: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Admit and stream the request. `prefill_worker` (and its id) is ignored here (aggregated serving);
         `prefill_only` stops after the first token and holds the blocks, and a request not
         started by `start_by` (time.monotonic()) ends with an error (see LLMEngine)."""
         await self.prepare_guide(request)

@@ -14,7 +14,7 @@ from contextlib import aclosing
 
 from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.errors import WorkerDrainingError
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
 
@@ -41,13 +41,13 @@ class DrainGate:
             return False
         return True
 
-    async def generate(self, request: GenerationRequest,
-                       prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                       prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
         self._check_open()
         self.num_running += 1
         self._idle.clear()
         try:
-            async with aclosing(self._inner.generate(request, prefill_worker)) as outputs:
+            async with aclosing(self._inner.generate(request, prefill_worker, prefill_worker_id)) as outputs:
                 async for output in outputs:
                     yield output
         finally:

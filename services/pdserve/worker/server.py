@@ -12,7 +12,7 @@ import grpc
 
 from pdserve.common.engine_api import AsyncEngine, not_serving_reason
 from pdserve.common.errors import ConfigError
-from pdserve.common.ids import DeploymentId
+from pdserve.common.ids import DeploymentId, WorkerId
 from pdserve.common.tls import TlsConfig
 from pdserve.rpc.health_service import HealthService, PlainHealthServer
 from pdserve.rpc.tls import add_port, aio_server
@@ -48,10 +48,11 @@ class WorkerServer:
 
     def __init__(self, engine: AsyncEngine, host: str, port: int,
                  services: Sequence[Callable[[grpc.aio.Server], None]] = (),
-                 deployment_id: DeploymentId | None = None, tls: TlsConfig | None = None) -> None:
+                 deployment_id: DeploymentId | None = None, tls: TlsConfig | None = None,
+                 worker_id: WorkerId | None = None) -> None:
         self._server = aio_server(SERVER_OPTIONS)
         self._tls = tls
-        self._output_streams = add_worker_service(self._server, engine, deployment_id).output_streams
+        self._output_streams = add_worker_service(self._server, engine, deployment_id, worker_id).output_streams
         for add_service in services:  # e.g. the KvTransfer service of a prefill worker
             add_service(self._server)
         self._address = f"{host}:{port}"
@@ -81,16 +82,17 @@ class WorkerServer:
 async def serve_until_stopped(
     engine: AsyncEngine, host: str, port: int, stop: asyncio.Event, grace_s: float,
     services: Sequence[Callable[[grpc.aio.Server], None]] = (), deployment_id: DeploymentId | None = None,
-    tls: TlsConfig | None = None, health_port: int | None = None,
+    tls: TlsConfig | None = None, health_port: int | None = None, worker_id: WorkerId | None = None,
 ) -> None:
     """Serve `engine` until `stop` is set, then drain for at most `grace_s` seconds: new
     requests are refused at once (`DrainGate`) while the server still answers, so health says
     why and the running streams finish; then the server stops, cancelling what still runs.
-    `health_port` (0: any free port): grpc.health.v1 alone in plain text there too."""
+    `health_port` (0: any free port): grpc.health.v1 alone in plain text there too. `worker_id`:
+    the id GetInfo answers (routers name it to decode workers with our address)."""
     gate = DrainGate(engine)
     health = HealthService()
     await health.report(not_serving_reason(gate) is None)
-    server = WorkerServer(gate, host, port, [*services, health.add_to], deployment_id, tls)
+    server = WorkerServer(gate, host, port, [*services, health.add_to], deployment_id, tls, worker_id)
     plain = PlainHealthServer(health, host, health_port) if health_port is not None else None
     await server.start()
     if plain is not None:

@@ -128,10 +128,12 @@ def test_enum_values_from_a_newer_worker_are_worker_errors() -> None:
         convert.info_from_proto(worker_pb2.ModelInfo(model_name="m"))
 
 
-@pytest.mark.parametrize("prefill_worker", [None, "10.0.0.7:50051"])
-def test_prefill_worker_round_trips(prefill_worker: str | None) -> None:
-    message = convert.request_to_proto(GenerationRequest(RequestId("r"), (1,)), prefill_worker)
+@pytest.mark.parametrize(("prefill_worker", "prefill_worker_id"),
+                         [(None, None), ("10.0.0.7:50051", None), ("10.0.0.7:50051", "prefill-0/pod-a")])
+def test_prefill_worker_and_its_id_round_trip(prefill_worker: str | None, prefill_worker_id: str | None) -> None:
+    message = convert.request_to_proto(GenerationRequest(RequestId("r"), (1,)), prefill_worker, prefill_worker_id)
     assert convert.prefill_worker_from_proto(message) == prefill_worker
+    assert convert.prefill_worker_id_from_proto(message) == prefill_worker_id
 
 
 def test_sampling_without_processor_fields_means_none_of_them() -> None:

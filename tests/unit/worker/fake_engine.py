@@ -3,7 +3,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput, SamplingParams
 from pdserve.common.stats import EngineStats, ModelInfo, WorkerRole
 
@@ -42,12 +42,14 @@ class FakeEngine:
         self.stats_error: Exception | None = None
         self.aborted: list[RequestId] = []
         self.prefill_workers: list[str | None] = []  # what each generate call was told
+        self.prefill_worker_ids: list[WorkerId | None] = []
         self.abort_seen = asyncio.Event()
         self.hanging = asyncio.Event()
 
-    async def generate(self, request: GenerationRequest,
-                       prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                       prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
         self.prefill_workers.append(prefill_worker)
+        self.prefill_worker_ids.append(prefill_worker_id)
         if self.fail_with is not None:
             raise self.fail_with
         for i, output in enumerate(expected_outputs(request)):

@@ -8,6 +8,7 @@ import pytest
 from fake_engine import STATS, FakeEngine, expected_outputs, make_request
 
 from pdserve.common.errors import WorkerDrainingError, WorkerUnavailableError
+from pdserve.common.ids import WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.rpc.worker_client import GrpcBackend
 from pdserve.worker.drain import DrainGate
@@ -53,8 +54,8 @@ class HeldEngine(FakeEngine):
         super().__init__()
         self.release = asyncio.Event()
 
-    async def generate(self, request: GenerationRequest,
-                       prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                       prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
         for i, output in enumerate(expected_outputs(request)):
             if i == 1:
                 await self.release.wait()

@@ -178,7 +178,7 @@ def echo_with_logprobs(rid: str, num_prompt_tokens: int = 7000, top: int = 20) -
 class EchoEngine(FakeEngine):
     """Answers every request with one large echo output, all of them in the same loop turn."""
 
-    async def generate(self, request, prefill_worker=None):
+    async def generate(self, request, prefill_worker=None, prefill_worker_id=None):
         await asyncio.sleep(0.2)  # every request in before any answers: one batch of all
         yield echo_with_logprobs(request.request_id)
 

@@ -17,7 +17,7 @@ from pdserve.common.errors import (
     WorkerTimeoutError,
     WorkerUnavailableError,
 )
-from pdserve.common.ids import DeploymentId
+from pdserve.common.ids import DeploymentId, WorkerId
 from pdserve.common.ports import free_ports
 from pdserve.common.stats import WorkerInfo
 from pdserve.rpc import convert
@@ -34,9 +34,9 @@ def run(scenario: Coroutine[Any, Any, None]) -> None:
 
 
 @asynccontextmanager
-async def serving(engine: FakeEngine, deployment_id: DeploymentId | None = None,
+async def serving(engine: FakeEngine, deployment_id: DeploymentId | None = None, worker_id: WorkerId | None = None,
                   **timeouts: float) -> AsyncIterator[tuple[WorkerServer, GrpcBackend]]:
-    server = WorkerServer(engine, "127.0.0.1", 0, deployment_id=deployment_id)
+    server = WorkerServer(engine, "127.0.0.1", 0, deployment_id=deployment_id, worker_id=worker_id)
     port = await server.start()
     backend = GrpcBackend(f"127.0.0.1:{port}", **timeouts)
     try:
@@ -53,17 +53,19 @@ def test_generate_streams_every_output_and_aborts_nothing() -> None:
         async with serving(engine) as (_, backend):
             outputs = [out async for out in backend.generate(request)]
         assert outputs == expected_outputs(request)
-        assert (engine.aborted, engine.prefill_workers) == ([], [None])
+        assert (engine.aborted, engine.prefill_workers, engine.prefill_worker_ids) == ([], [None], [None])
 
     run(scenario())
 
 
-def test_prefill_worker_reaches_the_engine() -> None:
+def test_prefill_worker_and_its_id_reach_the_engine() -> None:
     async def scenario() -> None:
         engine = FakeEngine()
         async with serving(engine) as (_, backend):
-            [out async for out in backend.generate(make_request(), prefill_worker="10.0.0.7:50051")]
-        assert engine.prefill_workers == ["10.0.0.7:50051"]
+            [out async for out in backend.generate(make_request("a"), prefill_worker="10.0.0.7:50051")]
+            [out async for out in backend.generate(make_request("b"), "10.0.0.7:50051", WorkerId("prefill-0/pod-a"))]
+        assert engine.prefill_workers == ["10.0.0.7:50051", "10.0.0.7:50051"]
+        assert engine.prefill_worker_ids == [None, "prefill-0/pod-a"]
 
     run(scenario())
 
@@ -207,10 +209,10 @@ def test_a_wedged_engine_is_not_serving_and_its_stats_name_why() -> None:
     run(scenario())
 
 
-def test_info_names_the_deployment_the_worker_was_started_in() -> None:
+def test_info_names_the_deployment_the_worker_was_started_in_and_its_id() -> None:
     async def scenario() -> None:
-        async with serving(FakeEngine(), DeploymentId("serve-1a2b")) as (_, backend):
-            assert await backend.info() == WorkerInfo(INFO, DeploymentId("serve-1a2b"))
+        async with serving(FakeEngine(), DeploymentId("serve-1a2b"), WorkerId("prefill-0/pod-a")) as (_, backend):
+            assert await backend.info() == WorkerInfo(INFO, DeploymentId("serve-1a2b"), WorkerId("prefill-0/pod-a"))
 
     run(scenario())
 

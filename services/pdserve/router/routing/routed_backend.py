@@ -116,7 +116,9 @@ class RoutedBackend:
             index.hold(prefill.address, keys)
         self._live[client_id] = (request.request_id, decision)
         try:
-            async with aclosing(decode.client.generate(request, prefill.address if prefill else None)) as outputs:
+            outputs = decode.client.generate(request, prefill.address if prefill else None,
+                                             prefill.worker_id if prefill else None)
+            async with aclosing(outputs):
                 is_first = True
                 async for output in outputs:
                     if is_first:  # the prompt is prefilled

@@ -1,7 +1,8 @@
 """The router's workers: registration, health and load.
 
 Registration is the router dialling each configured address: `GetInfo` gives the role, the
-block-key parameters and the worker's deployment, checked by `registration.py` (a worker of
+block-key parameters, the worker's id (named to decode workers with a prefill worker's address)
+and its deployment, checked by `registration.py` (a worker of
 another deployment is refused, with a logged reason, and asked again while it answers). Then each worker's stats are polled every
 `poll_interval_s`. Contracts:
 - a worker is *up* (in rotation) from a successful registration until `failure_threshold`
@@ -37,7 +38,8 @@ _DRAIN_CHECK_S = 0.2
 class WorkerClient(Protocol):
     """One worker's control calls (`GrpcBackend`); each bounded in time."""
 
-    def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                 prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: RequestId) -> None: ...
 
@@ -75,6 +77,7 @@ class WorkerHandle:
     client: WorkerClient
     info: ModelInfo | None = None  # last registration; None before the first
     deployment_id: DeploymentId | None = None  # as the worker reported it at its last registration
+    worker_id: WorkerId | None = None  # likewise; None: it did not say
     is_up: bool = False
     num_failures: int = 0
     refusal: str | None = None  # why an answering worker is kept out
@@ -304,7 +307,7 @@ class WorkerPool:
         except PdserveError as exc:
             log.debug("worker %s: no info yet: %s", handle.address, exc)
             return
-        handle.info, handle.deployment_id = reply.model, reply.deployment_id
+        handle.info, handle.deployment_id, handle.worker_id = reply.model, reply.deployment_id, reply.worker_id
 
     async def _rejoin(self, handle: WorkerHandle) -> None:
         try:
@@ -316,7 +319,7 @@ class WorkerPool:
             return
         except PdserveError:
             return
-        handle.info, handle.deployment_id = reply.model, reply.deployment_id
+        handle.info, handle.deployment_id, handle.worker_id = reply.model, reply.deployment_id, reply.worker_id
         self._bring_up(handle)
 
     def _refuse(self, handle: WorkerHandle, reason: ConfigError) -> None:

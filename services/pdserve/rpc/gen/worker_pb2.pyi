@@ -201,9 +201,11 @@ class ModelInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., lora_enabled: _Optional[bool] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("info", "deployment_id")
+    __slots__ = ("info", "deployment_id", "worker_id")
     INFO_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     info: ModelInfo
     deployment_id: str
-    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ..., deployment_id: _Optional[str] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ..., deployment_id: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...

@@ -32,18 +32,20 @@ class FakeClock:
 class FakeWorker:
     """`WorkerClient`. `is_down`: every call fails as unreachable. `fail_generate_after`: the
     stream yields that many outputs, then fails as unreachable. Told a prefill worker, its first
-    output reports it, or "local" when `prefills_locally`."""
+    output reports it, or "local" when `prefills_locally`. `worker_id`: the id its info gives."""
 
     def __init__(self, address: str, model_info: ModelInfo, report: EngineStats | None = None,
-                 deployment_id: DeploymentId | None = None) -> None:
+                 deployment_id: DeploymentId | None = None, worker_id: WorkerId | None = None) -> None:
         self.address = address
         self.model_info = model_info
         self.deployment_id = deployment_id
+        self.worker_id = worker_id
         self.report = report or stats()
         self.is_down = False
         self.fail_generate_after: int | None = None
         self.prefills_locally = False
         self.generated: list[tuple[RequestId, str | None]] = []  # (request id, prefill worker)
+        self.prefill_worker_ids: list[WorkerId | None] = []  # the prefill worker's id, per generate call
         self.aborted: list[RequestId] = []
         self.loras: dict[str, LoraAdapterInfo] = {}  # loaded through the router
         self.lora_error: Exception | None = None  # raised by the next load or unload
@@ -54,15 +56,17 @@ class FakeWorker:
 
     async def info(self) -> WorkerInfo:
         self._check()
-        return WorkerInfo(self.model_info, self.deployment_id)
+        return WorkerInfo(self.model_info, self.deployment_id, self.worker_id)
 
     async def stats(self) -> EngineStats:
         self._check()
         return self.report
 
-    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                       prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
         self._check()
         self.generated.append((request.request_id, prefill_worker))
+        self.prefill_worker_ids.append(prefill_worker_id)
         for i in range(2):
             if self.fail_generate_after == i:
                 raise WorkerUnavailableError(self.address, "stream broke")

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from pdserve.common.errors import WorkerUnavailableError
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, Guide, GuideKind, RequestOutput, SamplingParams
 from pdserve.engine.core.detokenizer import PROMPT_CONTEXT_TOKENS as WORKER_CONTEXT_TOKENS
 from pdserve.router.routing import migration
@@ -27,7 +27,8 @@ class ExtendingWorker(FakeWorker):
     holds_back = False
     fail_after_by_prompt_len: dict[int, int] = {}  # any worker given this prompt length fails after so many
 
-    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                       prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
         self._check()
         self.generated.append((request.request_id, prefill_worker))
         self.prompts = getattr(self, "prompts", []) + [request.prompt_token_ids]

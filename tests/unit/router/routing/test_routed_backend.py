@@ -57,8 +57,10 @@ def test_block_keys_are_the_workers_own_salt_included() -> None:
     assert prompt_block_keys(request(), TPB) != prompt_block_keys(request(salt="t1"), TPB)
 
 
-def test_the_decode_worker_is_told_its_prefill_worker() -> None:
-    workers = {"p:1": FakeWorker("p:1", info(WorkerRole.PREFILL)), "d:2": FakeWorker("d:2", info(WorkerRole.DECODE))}
+@pytest.mark.parametrize("prefill_id", ["prefill-0/pod-a", None])  # None: a worker that gives no id
+def test_the_decode_worker_is_told_its_prefill_worker_and_the_id_it_gave(prefill_id: str | None) -> None:
+    workers = {"p:1": FakeWorker("p:1", info(WorkerRole.PREFILL), worker_id=prefill_id),
+               "d:2": FakeWorker("d:2", info(WorkerRole.DECODE))}
 
     async def scenario() -> None:
         backend = await routed(workers)
@@ -70,6 +72,7 @@ def test_the_decode_worker_is_told_its_prefill_worker() -> None:
 
     asyncio.run(scenario())
     assert (workers["d:2"].generated, workers["p:1"].generated) == ([("r-0", "p:1")], [])
+    assert workers["d:2"].prefill_worker_ids == [prefill_id]
 
 
 def test_the_route_reports_the_path_that_ran_when_the_decode_worker_prefilled_itself() -> None:
@@ -187,9 +190,10 @@ def test_a_prompts_keys_count_on_its_workers_overlaps_as_long_as_its_load() -> N
         return {w: o.num_device for w, o in index[0].overlaps(keys, [p, d]).items()}
 
     class Watched(FakeWorker):
-        async def generate(self, request: GenerationRequest, prefill_worker: str | None = None):
+        async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
+                           prefill_worker_id: WorkerId | None = None):
             seen.append(held())  # dispatched, nothing answered yet
-            async for output in super().generate(request, prefill_worker):
+            async for output in super().generate(request, prefill_worker, prefill_worker_id):
                 yield output
 
     workers = {"p:1": FakeWorker("p:1", info(WorkerRole.PREFILL)), "d:2": Watched("d:2", info(WorkerRole.DECODE))}

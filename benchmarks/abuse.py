@@ -16,8 +16,9 @@ meanwhile. One `pdserve serve` (1 prefill + 1 decode worker by default) takes, c
 The normal stream is a streamed `/v1/completions` of a fixed `--stream-tokens`, `ignore_eos`,
 greedy: its TPOT (first token to last) and largest gap between two tokens, alone (`baseline`
 before the cases, `baseline_end` after them, and just before each case, which its ratios divide
-by) and back to back while each abuse lasts. Nothing is asserted; the report says which case
-kept the issue's targets (gap under 1 s, TPOT within 10 %).
+by) and back to back while each abuse lasts; the companion cases take turns in rounds. Beside
+it, the router's requests in progress and how late its /metrics answered. Nothing is asserted;
+the report says which case kept the issue's targets (gap under 1 s, TPOT within 10 %).
 
     python benchmarks/abuse.py --json abuse.json
     python benchmarks/abuse.py --only slow_bodies --only tokenize --slow-connections 300
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-tokens", type=int, default=128, help="tokens of the normal stream")
     parser.add_argument("--baseline-streams", type=int, default=3, help="normal streams alone, before and after")
     parser.add_argument("--case-streams", type=int, default=3, help="normal streams beside each companion case")
+    parser.add_argument("--companion-rounds", type=int, default=3, help="rounds of the three companion cases")
     parser.add_argument("--slow-connections", type=int, default=1100, help="connections sending a body slowly")
     parser.add_argument("--slow-byte-interval", type=float, default=4.0, help="seconds between their bytes")
     parser.add_argument("--body-read-timeout", type=float, default=30.0, help="serve's, seconds (408 after)")
@@ -177,16 +179,19 @@ def is_token(chunk: dict) -> bool:
     return bool(choices) and bool(choices[0].get("text") or not choices[0].get("finish_reason"))
 
 
-async def watch_in_progress(run: Run, done: asyncio.Event) -> float:
-    """The largest in-progress count seen until `done`, every half second."""
-    peak = 0.0
+async def watch_router(run: Run, done: asyncio.Event) -> dict:
+    """Until `done`, every half second: the router's requests in progress (their peak) and how
+    long its /metrics took to answer (the slowest: a router whose event loop is held answers late)."""
+    peak, slowest = 0.0, 0.0
     while not done.is_set():
+        asked = time.monotonic()
         peak = max(peak, await in_progress(run))
+        slowest = max(slowest, time.monotonic() - asked)
         try:
             await asyncio.wait_for(done.wait(), 0.5)
         except TimeoutError:
             pass
-    return peak
+    return {"peak_in_progress": peak, "router_slowest_answer_ms": round(slowest * 1e3, 1)}
 
 
 # ---- cases -----------------------------------------------------------------------------------
@@ -208,7 +213,7 @@ async def measure(run: Run, case: Case) -> dict:
     """Normal streams back to back from the moment the abuse is under way until it ends (a
     companion case: `--case-streams` of them)."""
     started, watched = time.monotonic(), asyncio.Event()
-    peak = asyncio.create_task(watch_in_progress(run, watched))
+    router = asyncio.create_task(watch_router(run, watched))
     abuse = asyncio.create_task(case.abuse(run))
     engaged = asyncio.create_task(run.engaged.wait())
     await asyncio.wait([abuse, engaged], return_when=asyncio.FIRST_COMPLETED)
@@ -222,7 +227,7 @@ async def measure(run: Run, case: Case) -> dict:
     abusers = await abuse
     watched.set()
     return stream_row(case.name, streams) | {"duration_s": round(time.monotonic() - started, 2),
-                                              "peak_in_progress": await peak, "abusers": abusers}
+                                              **await router, "abusers": abusers}
 
 
 async def baseline(run: Run, name: str) -> dict:
@@ -239,7 +244,17 @@ def stream_row(name: str, streams: list[StreamSeen]) -> dict:
             "tpot_ms_max": round(max(tpots) * 1e3, 2) if tpots else None,
             "largest_gap_ms": round(max(gaps) * 1e3, 1) if gaps else None,
             "ttft_ms_max": round(max(ttfts) * 1e3, 1) if ttfts else None,
-            "stream_errors": [s.error for s in streams if s.error is not None][:3]}
+            "stream_errors": [s.error for s in streams if s.error is not None][:3],
+            "load_avg_1m": round(os.getloadavg()[0], 2)}  # other processes on a shared machine
+
+
+def schedule(args: argparse.Namespace) -> list[tuple[Case, int]]:
+    """The selected cases in order, the companion cases in `--companion-rounds` alternating
+    rounds (plain, logit_bias, guided, plain, ...), so that their comparison sees the same load."""
+    selected = [case for case in CASES if args.only is None or case.name in args.only]
+    companions = [case for case in selected if case.is_companion]
+    return ([(case, 1) for case in selected if not case.is_companion]
+            + [(case, r) for r in range(1, args.companion_rounds + 1) for case in companions])
 
 
 async def run_cases(args: argparse.Namespace, served: Served, max_model_len: int) -> list[dict]:
@@ -251,14 +266,13 @@ async def run_cases(args: argparse.Namespace, served: Served, max_model_len: int
         for _ in range(2):  # warm-up, not reported
             await normal_stream(fresh())
         rows = [await baseline(fresh(), "baseline")]
-        for case in CASES:
-            if args.only is None or case.name in args.only:
-                print(f"abuse: {case.name} ...", file=sys.stderr, flush=True)
-                alone = await baseline(fresh(), "alone")  # just before: the machine's load drifts
-                row = await measure(fresh(), case)
-                rows.append(row | {"baseline_tpot_ms_p50": alone["tpot_ms_p50"],
-                                   "baseline_largest_gap_ms": alone["largest_gap_ms"]})
-                print(f"abuse: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+        for case, round_number in schedule(args):
+            print(f"abuse: {case.name} ...", file=sys.stderr, flush=True)
+            alone = await baseline(fresh(), "alone")  # just before: the machine's load drifts
+            row = await measure(fresh(), case)
+            rows.append(row | {"round": round_number, "baseline_tpot_ms_p50": alone["tpot_ms_p50"],
+                               "baseline_largest_gap_ms": alone["largest_gap_ms"]})
+            print(f"abuse: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
         rows.append(await baseline(fresh(), "baseline_end"))
     return rows
 
@@ -267,34 +281,35 @@ async def run_cases(args: argparse.Namespace, served: Served, max_model_len: int
 
 def ratios_of(rows: list[dict]) -> dict[str, float]:
     """Each case's figures over those of the normal streams alone just before it (baseline_end's
-    over the first baseline's), and item 7's TPOT over the plain companions'."""
-    by_case = {row["case"]: row for row in rows}
-    ratios = {}
-    for name, row in list(by_case.items())[1:]:
+    over the first baseline's), and item 7's TPOT over the plain companions' of the same round;
+    a case of several rounds: the median of its rounds' ratios."""
+    found: dict[str, list[float]] = {}
+    for row in rows[1:]:
         for figure, key in (("tpot", "tpot_ms_p50"), ("largest_gap", "largest_gap_ms")):
-            alone = row.get(f"baseline_{key}", by_case["baseline"][key])
+            alone = row.get(f"baseline_{key}", rows[0][key])
             if row[key] and alone:
-                ratios[f"{figure}: {name} / baseline"] = round(row[key] / alone, 3)
-    for name in SLOWING_EVERY_STEP:
-        if name in by_case and "plain_companions" in by_case and by_case["plain_companions"]["tpot_ms_p50"]:
-            ratios[f"tpot: {name} / plain_companions"] = round(
-                by_case[name]["tpot_ms_p50"] / by_case["plain_companions"]["tpot_ms_p50"], 3)
-    return ratios
+                found.setdefault(f"{figure}: {row['case']} / baseline", []).append(row[key] / alone)
+    plain = {row["round"]: row["tpot_ms_p50"] for row in rows if row["case"] == "plain_companions"}
+    for row in rows:
+        if row["case"] in SLOWING_EVERY_STEP and row["tpot_ms_p50"] and plain.get(row["round"]):
+            found.setdefault(f"tpot: {row['case']} / plain_companions", []).append(
+                row["tpot_ms_p50"] / plain[row["round"]])
+    return {name: round(statistics.median(values), 3) for name, values in found.items()}
 
 
 def targets_of(rows: list[dict], ratios: dict[str, float]) -> dict[str, dict]:
     """The issue's targets per case: every normal stream answered and its largest gap under 1 s;
     for the requests that slow every step (item 7) its TPOT within 10 % of the baseline's, and of
     the plain companions' (the same number of streams beside it, without the slowing field)."""
-    targets = {}
+    targets: dict[str, dict] = {}
     for row in rows[1:-1]:
         name, gap_ms = row["case"], row["largest_gap_ms"]
-        found = {"all_streams_ok": row["streams_ok"] == row["streams"],
-                 "largest_gap_under_1s": gap_ms is not None and gap_ms < GAP_TARGET_S * 1e3}
+        found = targets.setdefault(name, {"all_streams_ok": True, "largest_gap_under_1s": True})
+        found["all_streams_ok"] &= row["streams_ok"] == row["streams"]
+        found["largest_gap_under_1s"] &= gap_ms is not None and gap_ms < GAP_TARGET_S * 1e3
         for other in ("baseline", "plain_companions"):
             if name in SLOWING_EVERY_STEP and f"tpot: {name} / {other}" in ratios:
                 found[f"tpot_within_10pct_of_{other}"] = ratios[f"tpot: {name} / {other}"] <= TPOT_TARGET
-        targets[name] = found
     return targets
 
 

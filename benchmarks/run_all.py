@@ -35,6 +35,7 @@ EXPECTED_SCRIPTS: dict[str, list[str]] = {
     "transfer_bandwidth.py": [],
     "serve_throughput.py": [],
     "disagg_vs_agg.py": [],
+    "burst.py": [],
     "routing.py": [],
     "router_scale.py": [],
     "model_forward.py": [],

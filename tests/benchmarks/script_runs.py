@@ -105,6 +105,13 @@ def _disagg_vs_agg(report: dict) -> None:
     assert "output_tok_s (random): disagg / agg-1" in report["ratios"]
 
 
+def _burst(report: dict) -> None:
+    assert rows_of(report, "system", "completed", "failed") == [("1p1d", 4, 0), ("aggregated", 4, 0)]
+    assert report["results"][0]["remote_prefills"] + report["results"][0]["local_prefills"] == 4
+    assert report["results"][1]["remote_prefills"] == 0  # nothing moves between aggregated workers
+    assert "ttft_p50_ms: 1p1d / aggregated" in report["ratios"]
+
+
 def _routing(report: dict) -> None:
     assert rows_of(report, "policy", "num_requests", "num_failed") == [("kv_aware", 4, 0), ("round_robin", 4, 0)]
     assert report["config"]["workers"] == {"prefill": 1, "decode": 1}
@@ -198,6 +205,9 @@ RUNS: dict[str, ScriptRun] = {
                            "--batch-prompts", "8", "--echo-tokens", "512", "--companions", "2",
                            "--guided-max-tokens", "16"), _abuse),
     "startup.py": ScriptRun(("--model", "{model}",), _startup),
+    "burst.py": ScriptRun(("--model", "{model}", "--num-prompts", "4", "--input-len", "48", "--output-len", "4",
+                           "--num-warmups", "0", "--serve-flags", "--max-model-len 256 --kv-cache-memory 64MiB"),
+                          _burst),
     "routing.py": ScriptRun(("--model", "{model}", "--prefill", "1", "--decode", "1", "--num-system-prompts", "1",
                              "--num-users", "2", "--turns", "2", "--system-len", "64", "--user-len", "16",
                              "--reply-len", "8", "--output-len", "4", "--max-kv-tokens", "4096"), _routing),

@@ -29,7 +29,8 @@ from pdserve.engine.loading.weights import load_model_config, resolve_device
 from pdserve.engine.model.lora import LoraSettings
 from pdserve.kvcache import KvCacheConfig
 from pdserve.rpc.lora_service import add_lora_service
-from pdserve.worker.admission import BoundedEngine
+from pdserve.worker.admission import BoundedEngine, entry_of
+from pdserve.worker.drain import DrainGate
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.bootstrap import EngineSpec, build_threaded_engine
 from pdserve.worker.kv.events import kv_events_service
@@ -128,6 +129,9 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
         log.info("metrics on http://%s:%d/metrics", settings.host, port)
     watchdog = EngineWatchdog(engine, settings.engine_step_timeout_s)
     served = BoundedEngine(parts.engine, settings.max_waiting_requests, watchdog)
+    gate = DrainGate(served)
+    if parts.prefill is not None:  # prefill orders pass the Worker service's policies too
+        parts.prefill.entry = entry_of(gate, served)
     engine.start()
     background = asyncio.create_task(run_background(parts, engine, metrics))
     watching = asyncio.create_task(watchdog.run())
@@ -136,7 +140,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     try:
         log.info("serving %s (role %s, deployment %s) on %s:%d", settings.model_name, settings.role,
                  settings.deployment_id or "none", settings.host, settings.port)
-        await serve_until_stopped(served, settings.host, settings.port, stop, settings.drain_timeout_s,
+        await serve_until_stopped(gate, settings.host, settings.port, stop, settings.drain_timeout_s,
                                   services, DeploymentId(settings.deployment_id) if settings.deployment_id else None,
                                   tls, settings.health_port, WorkerId(settings.peer_name))
     finally:

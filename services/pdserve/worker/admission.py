@@ -7,9 +7,10 @@ Contracts:
   `EngineWedgedError` naming why (a wedged engine's figures are stale), so health answers
   NOT_SERVING and the router's load poll takes the worker out of rotation until it recovers;
 - everything else is `inner`'s.
+A prefill worker's KvTransfer orders pass the same checks (`waiting`, through `entry_of`).
 """
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from typing import Protocol
 
 from pdserve.common.engine_api import AsyncEngine
@@ -17,6 +18,7 @@ from pdserve.common.errors import EngineWedgedError, OverloadedError
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, ModelInfo
+from pdserve.worker.drain import DrainGate
 
 
 class WedgeCheck(Protocol):
@@ -32,22 +34,34 @@ class BoundedEngine:
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
                        prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
+        async with self.waiting() as first_output:
+            async with aclosing(self._inner.generate(request, prefill_worker, prefill_worker_id)) as outputs:
+                async for output in outputs:
+                    first_output()
+                    yield output
+
+    @asynccontextmanager
+    async def waiting(self) -> AsyncIterator[Callable[[], None]]:
+        """One request admitted past the wedge check and the waiting bound, counted as waiting
+        until it calls what this yields (its first output) or the block ends: the Worker
+        service's streams, and a prefill worker's orders (which wait until answered)."""
         self._check_serving()
         if self.num_waiting >= self._max_waiting:
             raise OverloadedError(f"{self.num_waiting} requests are waiting for their first token "
                                   f"(--max-waiting-requests {self._max_waiting}); retry later")
         self.num_waiting += 1
         is_waiting = True
-        try:
-            async with aclosing(self._inner.generate(request, prefill_worker, prefill_worker_id)) as outputs:
-                async for output in outputs:
-                    if is_waiting:
-                        self.num_waiting -= 1
-                        is_waiting = False
-                    yield output
-        finally:
+
+        def first_output() -> None:
+            nonlocal is_waiting
             if is_waiting:
                 self.num_waiting -= 1
+                is_waiting = False
+
+        try:
+            yield first_output
+        finally:
+            first_output()
 
     async def abort(self, request_id: RequestId) -> None:
         await self._inner.abort(request_id)
@@ -66,3 +80,15 @@ class BoundedEngine:
         reason = self._wedge.wedged_reason()
         if reason is not None:
             raise EngineWedgedError(reason)
+
+
+def entry_of(gate: DrainGate, bounded: BoundedEngine) -> Callable[[], AbstractAsyncContextManager]:
+    """What a prefill order passes before it reaches the engine, as a Generate stream does: the
+    drain gate (refused once draining, and waited for by the drain), then the wedge check and
+    the waiting bound (its slot held until it is answered)."""
+    @asynccontextmanager
+    async def entered() -> AsyncIterator[None]:
+        async with gate.running(), bounded.waiting():
+            yield
+
+    return entered

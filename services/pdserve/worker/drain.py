@@ -6,11 +6,12 @@ Contracts, once `close(reason)` is called (the worker got SIGTERM or SIGINT):
 - `stats` raises it too, so health answers NOT_SERVING naming why and the router's load poll
   takes the worker out of rotation;
 - requests admitted before keep streaming; `wait_idle` returns once the last of them ended.
-Everything else is `inner`'s.
+Everything else is `inner`'s. A prefill worker's KvTransfer orders pass the same gate
+(`running`), so they too are refused once draining and finish within the drain.
 """
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 from pdserve.common.engine_api import AsyncEngine
 from pdserve.common.errors import WorkerDrainingError
@@ -43,13 +44,20 @@ class DrainGate:
 
     async def generate(self, request: GenerationRequest, prefill_worker: str | None = None,
                        prefill_worker_id: WorkerId | None = None) -> AsyncIterator[RequestOutput]:
+        async with self.running():
+            async with aclosing(self._inner.generate(request, prefill_worker, prefill_worker_id)) as outputs:
+                async for output in outputs:
+                    yield output
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """One request through the gate (refused once it is closed), counted as running until
+        the block ends: the Worker service's streams, and a prefill worker's orders."""
         self._check_open()
         self.num_running += 1
         self._idle.clear()
         try:
-            async with aclosing(self._inner.generate(request, prefill_worker, prefill_worker_id)) as outputs:
-                async for output in outputs:
-                    yield output
+            yield
         finally:
             self.num_running -= 1
             if self.num_running == 0:

@@ -21,7 +21,8 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from contextlib import aclosing
+import contextlib
+from contextlib import AbstractAsyncContextManager, aclosing
 
 from pdserve.common.disagg import Hello, PrefillOrder, PrefillResult
 from pdserve.common.errors import (
@@ -56,6 +57,9 @@ class PrefillService:
         self._deployment_id = deployment_id
         self._order_keys: dict[WorkerId, bytes] = {}  # each peer's key of its write grants
         self._nonces: dict[bytes, float] = {}  # nonces of granted orders -> their deadline (time.monotonic())
+        # What an order passes first, as a Generate stream does (`admission.entry_of`: drain gate,
+        # wedge check, waiting bound); set once the worker's gate exists. None: nothing.
+        self.entry: Callable[[], AbstractAsyncContextManager] = contextlib.nullcontext
         self._releases: set[asyncio.Task] = set()
 
     async def handshake(self, hello: Hello) -> Hello:
@@ -79,7 +83,8 @@ class PrefillService:
 
     async def prefill(self, order: PrefillOrder) -> PrefillResult:
         try:
-            result = await self._prefill(order)
+            async with self.entry():
+                result = await self._prefill(order)
         except PdserveError:
             self._metrics.failures.labels("sent").inc()
             raise

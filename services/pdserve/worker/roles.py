@@ -38,6 +38,7 @@ class RoleParts:
     services: list[Callable[[grpc.aio.Server], None]] = field(default_factory=list)
     transport: KvTransport | None = None
     peers: PrefillPeers | None = None
+    prefill: PrefillService | None = None  # a prefill worker's KvTransfer handler
 
 
 def build_role(settings: WorkerSettings, threaded: ThreadedEngine, metrics: TransferMetrics,
@@ -52,7 +53,7 @@ def build_role(settings: WorkerSettings, threaded: ThreadedEngine, metrics: Tran
     if settings.role == WorkerRole.PREFILL:
         metrics.start_at_zero("sent")
         service = PrefillService(threaded, transport, metrics, deployment, lora_ids)
-        return RoleParts(threaded, [lambda s: add_kv_transfer_service(s, service)], transport)
+        return RoleParts(threaded, [lambda s: add_kv_transfer_service(s, service)], transport, prefill=service)
     metrics.start_at_zero("received", LOCAL_PREFILL_REASONS)
     peers = PrefillPeers(transport, deployment_id=deployment, tls=tls, lora_ids=lora_ids)
     config = DisaggConfig(WorkerId(settings.peer_name), settings.disagg_min_prefill_tokens,

@@ -85,11 +85,12 @@ async def serve_until_stopped(
     tls: TlsConfig | None = None, health_port: int | None = None, worker_id: WorkerId | None = None,
 ) -> None:
     """Serve `engine` until `stop` is set, then drain for at most `grace_s` seconds: new
-    requests are refused at once (`DrainGate`) while the server still answers, so health says
-    why and the running streams finish; then the server stops, cancelling what still runs.
+    requests are refused at once (`DrainGate`; `engine` may be one already, which a prefill
+    worker's orders pass too) while the server still answers, so health says why and the
+    running streams finish; then the server stops, cancelling what still runs.
     `health_port` (0: any free port): grpc.health.v1 alone in plain text there too. `worker_id`:
     the id GetInfo answers (routers name it to decode workers with our address)."""
-    gate = DrainGate(engine)
+    gate = engine if isinstance(engine, DrainGate) else DrainGate(engine)
     health = HealthService()
     await health.report(not_serving_reason(gate) is None)
     server = WorkerServer(gate, host, port, [*services, health.add_to], deployment_id, tls, worker_id)
@@ -102,7 +103,7 @@ async def serve_until_stopped(
     try:
         await stop.wait()
         remaining_s = await drain(gate, grace_s, health)
-    finally:  # calls outside the gate (a prefill worker's orders) get what is left of the grace
+    finally:  # calls outside the gate (KV events, LoRA loads) get what is left of the grace
         reporting.cancel()
         await server.stop(remaining_s)
         if plain is not None:

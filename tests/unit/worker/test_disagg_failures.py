@@ -72,7 +72,8 @@ class Pair:
 
     async def start(self) -> str:
         self.server = grpc.aio.server()
-        add_kv_transfer_service(self.server, PrefillService(self.p, self.tp, TransferMetrics()))
+        self.service = PrefillService(self.p, self.tp, TransferMetrics())
+        add_kv_transfer_service(self.server, self.service)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         return f"127.0.0.1:{port}"

@@ -185,17 +185,17 @@ def test_the_router_reaches_only_a_server_whose_certificate_is_a_workers(server_
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == ("tiny-llama" if is_worker else WorkerUnavailableError)
 
 
-@pytest.mark.parametrize("server_role", list(pki.Role))
-def test_a_decode_worker_hands_its_hello_only_to_a_server_whose_certificate_is_a_prefill_workers(
-        server_role: pki.Role) -> None:
-    """The hello carries NIXL metadata and the grant key: a server of any other role never sees it."""
+
+def handshake_with(identity: str, server_role: pki.Role, *server_name: str) -> tuple[object, list[str]]:
+    """A decode worker's KV handshake to a KvTransfer server holding `identity`'s certificate in
+    `server_role`: the id answered (or the error class) and what the server's handler saw."""
     async def scenario() -> tuple[object, list[str]]:
         handler = RecordingHandler()
         server = aio_server()
         add_kv_transfer_service(server, handler)
-        port = add_port(server, "127.0.0.1:0", tls("prefill-0", server_role))
+        port = add_port(server, "127.0.0.1:0", tls(identity, server_role))
         await server.start()
-        client = KvTransferClient(f"127.0.0.1:{port}", tls("decode-0", pki.Role.DECODE))
+        client = KvTransferClient(f"127.0.0.1:{port}", tls("decode-0", pki.Role.DECODE), *server_name)
         try:
             return (await client.handshake(Hello(WorkerId("decode-0"), b"m"), 5.0)).worker_id, handler.calls
         except WorkerUnavailableError as exc:
@@ -204,8 +204,15 @@ def test_a_decode_worker_hands_its_hello_only_to_a_server_whose_certificate_is_a
             await client.close()
             await server.stop(0)
 
+    return asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+@pytest.mark.parametrize("server_role", list(pki.Role))
+def test_a_decode_worker_hands_its_hello_only_to_a_server_whose_certificate_is_a_prefill_workers(
+        server_role: pki.Role) -> None:
+    """The hello carries NIXL metadata and the grant key: a server of any other role never sees it."""
     reached = server_role == pki.Role.PREFILL
-    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == (
+    assert handshake_with("prefill-0", server_role) == (
         ("prefill-0", ["handshake decode-0"]) if reached else (WorkerUnavailableError, []))
 
 
@@ -215,22 +222,6 @@ def test_a_decode_worker_told_which_prefill_worker_it_dials_reaches_only_that_on
         identity: str, server_role: pki.Role) -> None:
     """One name checks role and identity at once: another prefill worker's certificate, or a
     certificate of prefill-0's identity in another role, fails the TLS handshake."""
-    async def scenario() -> tuple[object, list[str]]:
-        handler = RecordingHandler()
-        server = aio_server()
-        add_kv_transfer_service(server, handler)
-        port = add_port(server, "127.0.0.1:0", tls(identity, server_role))
-        await server.start()
-        client = KvTransferClient(f"127.0.0.1:{port}", tls("decode-0", pki.Role.DECODE),
-                                  pki.identity_name("prefill-0", pki.PREFILL_WORKER_NAME))
-        try:
-            return (await client.handshake(Hello(WorkerId("decode-0"), b"m"), 5.0)).worker_id, handler.calls
-        except WorkerUnavailableError as exc:
-            return type(exc), handler.calls
-        finally:
-            await client.close()
-            await server.stop(0)
-
     reached = (identity, server_role) == ("prefill-0", pki.Role.PREFILL)
-    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == (
+    assert handshake_with(identity, server_role, pki.identity_name("prefill-0", pki.PREFILL_WORKER_NAME)) == (
         ("prefill-0", ["handshake decode-0"]) if reached else (WorkerUnavailableError, []))

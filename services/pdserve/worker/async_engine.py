@@ -195,11 +195,11 @@ class ThreadedEngine:
 
     async def complete_remote(self, request_id: RequestId, first_token: int, logprob=None) -> None:
         """Decode side: the prompt's KV has landed; its outputs go to the request's stream."""
-        await self.call(self._engine.complete_remote, request_id, first_token, logprob)
+        await self.call(self._engine.remote.complete, request_id, first_token, logprob)
 
     async def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> None:
         """Decode side: the transfer failed (blocks quarantined); recompute here or end with an error."""
-        await self.call(self._engine.fail_remote, request_id, recompute, reason)
+        await self.call(self._engine.remote.fail, request_id, recompute, reason)
 
     async def _until_admitted(self, request_id: RequestId, admitted: asyncio.Future):
         try:
@@ -226,7 +226,7 @@ class ThreadedEngine:
 
     def _check_integrity(self) -> KvIntegrity:
         kv = self._engine.kv
-        held = self._engine.num_handoffs + self._engine.num_quarantined  # waiting on a transfer's outcome
+        held = len(self._engine.handoffs) + self._engine.handoffs.num_quarantined  # waiting on a transfer's outcome
         try:
             kv.check_integrity()
         except IntegrityError as exc:
@@ -246,7 +246,7 @@ class ThreadedEngine:
                 self._cores.before_step(partial(self._drain_inbox, until_admission=True))
                 if self._engine.has_work:  # the commands taken meanwhile may have ended it all
                     self._step()
-            self._deliver(self._engine.reap_expired_leases())
+            self._deliver(self._engine.remote.reap_expired())
             self._publish_kv_events()
             self._publish_step_stats()
             self._stats = self._snapshot()  # before idling, so load reports are never a turn stale
@@ -285,11 +285,11 @@ class ThreadedEngine:
         try:
             verdict = DecodeVerdict(None, "no_prefill_worker")
             if command.remote_possible:
-                if engine.num_missing_prompt_tokens(request) < command.min_remote_tokens:
+                if engine.remote.num_missing_prompt_tokens(request) < command.min_remote_tokens:
                     verdict = DecodeVerdict(None, "few_missing_tokens")
                 else:
                     try:
-                        verdict = DecodeVerdict(engine.reserve_remote(request, command.lease_s, command.arrival_s),
+                        verdict = DecodeVerdict(engine.remote.reserve(request, command.lease_s, command.arrival_s),
                                                 None)
                     except OutOfBlocksError:
                         verdict = DecodeVerdict(None, "no_free_blocks")

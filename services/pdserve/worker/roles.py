@@ -78,11 +78,11 @@ async def run_background(parts: RoleParts, threaded: ThreadedEngine, metrics: Tr
     while True:
         if parts.transport is not None:
             parts.transport.drain_notifications()
-        expiries = threaded.engine.num_lease_expiries
+        expiries = threaded.engine.handoffs.num_lease_expiries
         if expiries > reported:
             metrics.lease_expiries.inc(expiries - reported)
             reported = expiries
-        await asyncio.sleep(BUSY_POLL_S if threaded.engine.num_handoffs else IDLE_POLL_S)
+        await asyncio.sleep(BUSY_POLL_S if len(threaded.engine.handoffs) else IDLE_POLL_S)
 
 
 async def close_role(parts: RoleParts) -> None:

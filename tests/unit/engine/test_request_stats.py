@@ -81,14 +81,14 @@ def test_disaggregated_the_prefill_worker_records_the_prefill_and_the_decode_wor
     d, d_clock = clocked()
     req = request("r", PROMPT, max_tokens=3)
     d_clock.now = 1.0
-    claim = d.reserve_remote(req, lease_s=50.0)
+    claim = d.remote.reserve(req, lease_s=50.0)
     p_clock.now = 2.0
     p.add_request(req, prefill_only=True, hold_lease_s=50.0)
     (first,) = step_at(p, p_clock, 4.0)
-    _copy_kv(p, d, p.held_block_ids(req.request_id), claim.block_ids)
-    p.release_held(req.request_id)
+    _copy_kv(p, d, p.remote.held_block_ids(req.request_id), claim.block_ids)
+    p.remote.release_held(req.request_id)
     d_clock.now = 5.0
-    d.complete_remote(req.request_id, first.token_ids[0])
+    d.remote.complete(req.request_id, first.token_ids[0])
     step_at(d, d_clock, 6.0)
     step_at(d, d_clock, 8.0)
     prefill, decode = p.take_step_stats(), d.take_step_stats()
@@ -101,9 +101,9 @@ def test_disaggregated_the_prefill_worker_records_the_prefill_and_the_decode_wor
 
 def test_a_failed_transfer_recomputed_locally_is_prefilled_and_timed_on_the_decode_worker() -> None:
     d, clock = clocked()
-    d.reserve_remote(request("r", PROMPT, max_tokens=1), lease_s=50.0)
+    d.remote.reserve(request("r", PROMPT, max_tokens=1), lease_s=50.0)
     clock.now = 3.0
-    d.fail_remote(RequestId("r"), recompute=True, reason="peer vanished")
+    d.remote.fail(RequestId("r"), recompute=True, reason="peer vanished")
     step_at(d, clock, 4.0)
     stats = d.take_step_stats()
     assert stats.prefills == [PrefillDone(4.0, 0.0, 21)] and stats.ttfts_s == [4.0]

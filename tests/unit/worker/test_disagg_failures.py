@@ -209,14 +209,14 @@ def test_stalled_transfer_times_out_and_both_sides_free(checkpoint):
 def test_client_abort_while_waiting_for_kv_frees_both_sides(checkpoint):
     async def body(pair, address):
         task = asyncio.create_task(_collect(pair.decode.generate(_request("r"), address)))
-        assert await _until(lambda: pair.d.engine.num_handoffs == 1 and pair.p.engine.num_handoffs == 1)
+        assert await _until(lambda: len(pair.d.engine.handoffs) == 1 and len(pair.p.engine.handoffs) == 1)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         # The call ran to its end (the stalled write timed out) and its blocks waited out the lease.
         assert await _until(lambda: pair.used() == (0, 0))
-        assert pair.d.engine.num_handoffs == 0 and pair.p.engine.num_handoffs == 0
-        assert pair.d.engine.num_quarantined == 0
+        assert len(pair.d.engine.handoffs) == 0 and len(pair.p.engine.handoffs) == 0
+        assert pair.d.engine.handoffs.num_quarantined == 0
         assert pair.metrics.failures.labels("received")._value.get() == 1
 
     _run(checkpoint, body, fault=Fault.STALL, transfer_timeout_s=1.0)
@@ -225,7 +225,7 @@ def test_client_abort_while_waiting_for_kv_frees_both_sides(checkpoint):
 def test_client_abort_during_a_remote_prefill_frees_the_blocks_when_the_write_lands_not_at_the_lease(checkpoint):
     async def body(pair, address):
         task = asyncio.create_task(_collect(pair.decode.generate(_request("r", max_tokens=50), address)))
-        assert await _until(lambda: pair.d.engine.num_handoffs == 1 and pair.tp.posted)  # the write is out
+        assert await _until(lambda: len(pair.d.engine.handoffs) == 1 and pair.tp.posted)  # the write is out
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -233,7 +233,7 @@ def test_client_abort_during_a_remote_prefill_frees_the_blocks_when_the_write_la
             transfer.fault = None  # the stalled write now completes
         # The lease is 30.5 s: freed well before it, because the write completed and said so.
         assert await _until(lambda: pair.used() == (0, 0), timeout_s=10.0)
-        assert pair.d.engine.num_lease_expiries == 0 and pair.d.engine.num_quarantined == 0
+        assert pair.d.engine.handoffs.num_lease_expiries == 0 and pair.d.engine.handoffs.num_quarantined == 0
         assert pair.metrics.blocks.labels("received")._sum.get() == 6
 
     _run(checkpoint, body, fault=Fault.STALL, transfer_timeout_s=30.0)
@@ -247,7 +247,7 @@ def test_a_late_write_after_a_failed_prefill_lands_only_in_quarantined_blocks(ch
         engine = pair.d.engine
         failed = await _collect(pair.decode.generate(_request("r"), address))
         assert [o.finish_reason for o in failed] == ["error"]
-        assert engine.num_quarantined == 1
+        assert engine.handoffs.num_quarantined == 1
         other = GenerationRequest(RequestId("other"), tuple(range(5, 41)),
                                   SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         stream = pair.d.generate(other)
@@ -271,7 +271,7 @@ def test_a_late_write_after_a_failed_prefill_lands_only_in_quarantined_blocks(ch
         rest = [o async for o in stream]
         assert len(first.token_ids + sum((o.token_ids for o in rest), ())) == 8
         assert await _until(lambda: pair.used() == (0, 0), timeout_s=30.0)  # the lease ends
-        assert engine.num_quarantined == 0
+        assert engine.handoffs.num_quarantined == 0
 
     _run(checkpoint, body, fault=Fault.LATE, transfer_timeout_s=9.5)
 
@@ -297,7 +297,7 @@ def test_a_restarted_prefill_worker_refuses_before_computing_and_the_decode_work
 def test_retiring_a_peer_leaves_the_calls_in_flight_on_its_channel_running(checkpoint):
     async def body(pair, address):
         task = asyncio.create_task(_collect(pair.decode.generate(_request("r"), address)))
-        assert await _until(lambda: pair.d.engine.num_handoffs == 1 and pair.tp.posted)  # the write is out
+        assert await _until(lambda: len(pair.d.engine.handoffs) == 1 and pair.tp.posted)  # the write is out
         peers = pair.decode._peers
         await peers.forget(await peers.get(address))
         for transfer in pair.tp.posted:

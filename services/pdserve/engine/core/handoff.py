@@ -8,8 +8,8 @@
 
 The one rule: a block that a remote write may still reach is never freed or published before
 the write is known complete or its lease has run out. This component owns the sequences in
-hand-off, the quarantine and the lease clock; it frees through the KV cache manager. The engine
-decides what a completed or failed sequence does next.
+hand-off, the quarantine and the lease clock; it frees through the KV cache manager. The engine's
+`RemotePrefill` decides what a completed or failed sequence does next.
 """
 import itertools
 from collections.abc import Callable

@@ -6,6 +6,11 @@ The scheduler decides what runs, the KV cache manager which memory, the model ru
 the tensors, the sampler picks tokens; this module only wires them together per step. With a
 host tier, the block copies the manager queues (offloads on eviction, onboards of host hits)
 are made after every claim and before anything reads or writes those blocks.
+
+Beside the step loop, each in a part of its own: the KV hand-off between a prefill and a decode
+worker (`remote`, a `RemotePrefill`; the sequences in hand-off and their leases in `handoffs`),
+the LoRA adapters' lifecycle (`adapters`) and the checks a request passes before it is admitted
+(`validation`).
 """
 import itertools
 import threading
@@ -16,30 +21,26 @@ from dataclasses import replace
 
 import torch
 
+from pdserve.engine.core.adapters import Adapters
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker, StopPiece
 from pdserve.engine.core.handoff import Handoffs
+from pdserve.engine.core.remote_prefill import RemotePrefill
 from pdserve.engine.core.request_stats import SeqTimes, StepStats
-from pdserve.common.errors import (ConfigError, DuplicateRequestError, InvalidRequestError, OutOfBlocksError,
-                                   TransferError)
+from pdserve.common.errors import InvalidRequestError, OutOfBlocksError
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput, TokenLogprob
 from pdserve.engine.loading.lora_files import LoraCheckpoint
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.guided import GuideCompiler, GuideMatcher
 from pdserve.engine.model.host_store import TierStore
-from pdserve.engine.model.logits_processors import TokenHistory, check_processor_params
+from pdserve.engine.model.logits_processors import TokenHistory
 from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
-from pdserve.engine.model.sampler import (MAX_LOGPROBS, Sampler, SamplingRow, check_sampling_params, logit_batch,
-                                          make_generator)
+from pdserve.engine.model.sampler import Sampler, SamplingRow, logit_batch, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
 from pdserve.engine.core.stopping import finish_reason_after, is_stop_token
-from pdserve.kvcache import ClaimResult, KvCacheManager
-
-# Request ids never contain these: the engine derives its KV sequence ids from a request id with
-# them (a sibling completion's "<id>#<index>", a retry's "<id>~<n>"), so no two requests' sequences
-# can share an id inside a step's batch.
-RESERVED_ID_MARKS = ("#", "~")
+from pdserve.engine.core.validation import check_request, check_request_id
+from pdserve.kvcache import KvCacheManager
 
 
 class LLMEngine:
@@ -63,7 +64,8 @@ class LLMEngine:
         self._guides: GuideCompiler | None = None  # built from the tokenizer on the first guided request
         self._guides_lock = threading.Lock()
         self._step_stats = StepStats()
-        self._unloading_loras: set[int] = set()  # adapters refused to new requests, dropped once unused
+        self.adapters = Adapters(runner, self._loras_in_use)
+        self.remote = RemotePrefill(self)  # the KV hand-off commands: reserve, complete, fail, release
 
     @property
     def has_work(self) -> bool:
@@ -74,7 +76,7 @@ class LLMEngine:
         """Queue a request; InvalidRequestError / DuplicateRequestError leave the engine unchanged.
 
         `prefill_only`: finish after the first token and keep the blocks (HELD) until
-        `release_held` or the lease ends, so a peer can receive the prompt's KV.
+        `remote.release_held` or the lease ends, so a peer can receive the prompt's KV.
         `arrival_s`: when the worker received it, on this engine's clock (None: now).
         `start_by`: a request still queued then is ended with an error, nothing computed (a
         peer's prefill order bounds its wait so; this engine's clock).
@@ -109,7 +111,7 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        self._drop_unused_loras()
+        self.adapters.drop_unused()
         started = self._clock()
         chunks = self.scheduler.schedule()
         unread = self._move_between_tiers()
@@ -157,167 +159,28 @@ class LLMEngine:
             self.scheduler.preempt(seq)
         return [c for c in chunks if c.seq.seq_id not in holders]
 
-    # ---- KV handoff between a prefill and a decode worker ----------------------------------------
-
-    def num_missing_prompt_tokens(self, request: GenerationRequest) -> int:
-        """Prompt tokens this engine would have to compute (or receive): not in its prefix cache."""
-        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
-        return len(request.prompt_token_ids) - self.kv.analyze_prefix_reuse(seq.cache_request()).num_cached_tokens
-
-    def reserve_remote(self, request: GenerationRequest, lease_s: float, arrival_s: float | None = None) -> ClaimResult:
-        """Decode side: claim blocks for the whole prompt (its cached prefix reused locally).
-
-        The prompt's remaining KV is expected from a peer before `lease_s` passes; then call
-        `complete_remote` or `fail_remote`. OutOfBlocksError leaves nothing reserved.
-        """
-        self._validate(request)
-        seq = self._new_sequence(request, 0, list(request.prompt_token_ids), arrival_s)
-        seq.times.scheduled_s, seq.times.prefilled_here = self._clock(), False
-        claim = self.kv.add_sequence(seq.cache_request())
-        if self._move_between_tiers() & set(claim.block_ids):  # before a peer writes into the blocks
-            self.kv.free(seq.seq_id)
-            raise TransferError(f"a cached block of {request.request_id!r} could not be read back from a lower tier")
-        seq.num_computed_tokens = seq.num_cached_tokens = claim.num_cached_tokens
-        self.handoffs.reserve(seq, lease_s)
-        self._requests[request.request_id] = [seq]
-        return claim
-
-    def complete_remote(self, request_id: RequestId, first_token: int, logprob=None) -> list[RequestOutput]:
-        """Decode side: the prompt's KV has landed; the first token (sampled by the peer) is emitted.
-        Nothing happens once the lease has ended (the request ended then)."""
-        if self.handoffs.get(request_id) is None:
-            return []
-        seq = self.handoffs.complete(request_id)
-        if seq.aborted:
-            return []
-        self.scheduler.resume(seq)
-        self.sampler.skip(SamplingRow(seq.request.sampling, seq.generator), self.vocab_size)  # the peer's draw
-        return [self._advance(seq, first_token, logprob, self._clock())]
-
-    def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> list[RequestOutput]:
-        """Decode side: the transfer failed, but a write may still land in the reserved blocks (a
-        cancelled transfer is no proof that no byte arrives). They are quarantined until the lease
-        ends, never published; the request recomputes into fresh blocks or ends with an error.
-        Nothing happens once the lease has ended (the request ended then)."""
-        if self.handoffs.get(request_id) is None:
-            return []
-        seq = self.handoffs.fail(request_id)
-        if seq.aborted:
-            return []
-        if recompute:
-            seq.times.scheduled_s, seq.times.prefilled_here = None, True
-            seq.status = SeqStatus.WAITING
-            self.scheduler.add(seq)
-            return []
-        self._requests.pop(request_id, None)
-        seq.status = SeqStatus.FINISHED
-        return [replace(self._output(seq, (), "", "error"), error=reason)]
-
-    def held_block_ids(self, request_id: RequestId) -> list[BlockId]:
-        """Prefill side: the blocks holding a finished prefill's KV, in prompt order."""
-        return self.handoffs.held_block_ids(request_id)
-
-    def release_held(self, request_id: RequestId) -> None:
-        """Prefill side: the peer has the KV (or gave up); free the blocks (they stay cached)."""
-        self.handoffs.release(request_id)
-
-    def reap_expired_leases(self) -> list[RequestOutput]:
-        """Free blocks held for a peer, or quarantined, past their lease, and end the requests
-        still queued past their start-by time (runs every loop iteration, idle or not)."""
-        outputs = []
-        for seq in self.handoffs.expire():
-            outputs += self.fail_remote(seq.request.request_id, recompute=False, reason="KV transfer lease expired")
-        self.handoffs.free_quarantine()
-        return outputs + self._end_unstarted()
-
-    def _end_unstarted(self) -> list[RequestOutput]:
-        now = self._clock()
-        late = [seq for seq in self.scheduler.waiting
-                if seq.start_by is not None and seq.start_by <= now and seq.times.scheduled_s is None]
-        outputs = []
-        for seq in late:
-            self._requests.pop(seq.request.request_id, None)
-            self.scheduler.remove(seq)
-            waited = now - seq.times.arrival_s
-            outputs.append(replace(self._output(seq, (), "", "error"),
-                                   error=f"not started within its queue bound (waited {waited:.1f} s)"))
-        return outputs
-
-    @property
-    def num_handoffs(self) -> int:
-        return len(self.handoffs)
-
-    @property
-    def num_quarantined(self) -> int:
-        """KV sequences kept out of use until a late write can no longer reach them."""
-        return self.handoffs.num_quarantined
-
-    @property
-    def num_lease_expiries(self) -> int:
-        return self.handoffs.num_lease_expiries
-
-    # ---- LoRA adapters ---------------------------------------------------------------------------
+    # ---- LoRA adapters: the worker's two commands (`Adapters` keeps their lifecycle) -------------
 
     def add_lora(self, checkpoint: LoraCheckpoint) -> None:
-        """Load an adapter (ConfigError, changing nothing, when it cannot be); one being unloaded
-        is taken back."""
-        if self.runner.lora is None:
-            raise ConfigError("enable_lora", False, "this worker serves no LoRA adapters (start it with --enable-lora)")
-        self.runner.lora.add(checkpoint)
-        self._unloading_loras.discard(checkpoint.lora_id)
+        """Load an adapter (ConfigError, changing nothing, when it cannot be)."""
+        self.adapters.add(checkpoint)
 
     def remove_lora(self, lora_id: int) -> None:
-        """New requests for the adapter are refused from now on; its weights go once no live
-        request uses them (a running one finishes under the adapter it started with)."""
-        if self.runner.lora is not None and lora_id in self.runner.lora:
-            self._unloading_loras.add(lora_id)
-            self._drop_unused_loras()
+        """Refuse the adapter to new requests; its weights go once no live request uses them."""
+        self.adapters.remove(lora_id)
 
-    def _drop_unused_loras(self) -> None:
-        if not self._unloading_loras:
-            return
-        in_use = {seqs[0].request.lora_id for seqs in self._requests.values() if seqs}
-        for lora_id in self._unloading_loras - in_use:
-            self.runner.lora.remove(lora_id)
-        self._unloading_loras &= in_use
+    def _loras_in_use(self) -> set[int | None]:
+        return {seqs[0].request.lora_id for seqs in self._requests.values() if seqs}
 
     # ---- internals -----------------------------------------------------------------------------
 
     def _validate(self, request: GenerationRequest) -> None:
-        prompt = request.prompt_token_ids
-        self._check_id_free(request.request_id)
-        if not prompt:
-            raise InvalidRequestError("prompt must contain at least one token", "prompt")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise InvalidRequestError(f"prompt has token ids outside 0..{self.vocab_size - 1}", "prompt")
-        max_len = self.config.max_model_len
-        if len(prompt) + request.sampling.max_tokens > max_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds "
-                f"max_model_len {max_len}", "max_tokens")
-        if not 1 <= request.sampling.n <= self.config.max_num_seqs:
-            raise InvalidRequestError(f"n={request.sampling.n}: must be in 1..{self.config.max_num_seqs}", "n")
-        check_sampling_params(request.sampling)  # here, not first in a step that samples it with others
-        num_top = request.sampling.prompt_logprobs
-        if num_top is not None and not 0 <= num_top <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"prompt_logprobs={num_top!r} must be in 0..{MAX_LOGPROBS}", "prompt_logprobs")
-        check_processor_params(request.sampling, self.vocab_size)
-        lora_id, loras = request.lora_id, self.runner.lora
-        if lora_id is not None and (loras is None or lora_id not in loras or lora_id in self._unloading_loras):
-            raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded on this worker", "model")
+        check_request_id(request.request_id, self._is_id_in_use)
+        check_request(request, self.vocab_size, self.config)
+        self.adapters.check_servable(request.lora_id)
 
-    def _check_id_free(self, request_id: RequestId) -> None:
-        """InvalidRequestError for an id with a reserved mark; DuplicateRequestError while it names
-        a live request or blocks the KV manager still holds under it (kept for a peer, or a
-        transfer not yet settled). Refused here, alone, never left for a step's batch to trip over."""
-        if not request_id:
-            raise InvalidRequestError("request id must not be empty", "request_id")
-        if any(mark in request_id for mark in RESERVED_ID_MARKS):
-            raise InvalidRequestError(f"request id {request_id!r} contains one of {''.join(RESERVED_ID_MARKS)!r}, "
-                                      "reserved for the engine's own sequence ids", "request_id")
-        if request_id in self._requests or self.handoffs.get(request_id) or self.kv.has_request(request_id):
-            raise DuplicateRequestError(f"request id {request_id!r} is in use on this worker (a live request, "
-                                        "or KV blocks still held under it)")
+    def _is_id_in_use(self, request_id: RequestId) -> bool:
+        return bool(request_id in self._requests or self.handoffs.get(request_id) or self.kv.has_request(request_id))
 
     def _new_sequence(self, request: GenerationRequest, index: int, token_ids: list[int],
                       arrival_s: float | None = None) -> Sequence:

@@ -1,9 +1,9 @@
-"""The machinery behind `settings.py`: options read off the settings dataclasses, their
+"""The machinery behind the `settings` package: options read off the settings dataclasses, their
 command-line parser, value parsers and the config-file reader. It reads no environment.
 
 A value parser takes what a source holds (a string from a flag or an environment variable;
 a string, number, bool or list from a config file) and returns the typed value, or raises
-ValueError with a short reason. `settings.py` names the field and the source.
+ValueError with a short reason. `setting_sources.py` names the field and the source.
 """
 import argparse
 import dataclasses

@@ -3,8 +3,8 @@
 `resolve_sources` reads a process's flags (the model may also come first, as `vllm serve`
 takes it), its `PDSERVE_*` environment and the file named by `--config` / `PDSERVE_CONFIG`,
 and labels each value with its source, so that `build_section` can name it in a ConfigError.
-Apart from settings.py (the pod name, a child's environment), no other module reads the
-environment.
+Apart from the `settings` package (the pod name, a child's environment, a worker's runtime
+defaults), no other module reads the environment.
 """
 import logging
 import os

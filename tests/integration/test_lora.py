@@ -45,7 +45,10 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module", params=["aggregated", "disaggregated"])
 def served(request, family: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    topology = ["--aggregated"] if request.param == "aggregated" else ["--disagg-min-prefill-tokens", "1"]
+    # nine requests go at once and every prompt must reach the prefill worker: above the default
+    # bound of 8 unanswered orders a decode worker prefills locally (--max-prefill-queue)
+    topology = (["--aggregated"] if request.param == "aggregated"
+                else ["--disagg-min-prefill-tokens", "1", "--max-prefill-queue", "16"])
     root, port = family["root"], free_port()
     process, _ = start_serve(tmp_path_factory.mktemp(request.param), [
         "--model", str(family["checkpoint"]), "--served-model-name", "base", "--port", str(port),

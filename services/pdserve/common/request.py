@@ -6,7 +6,7 @@ The router builds a `GenerationRequest` from an HTTP body; the worker's engine s
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.common.ids import RequestId
+from pdserve.common.ids import BlockHash, RequestId
 
 DEFAULT_RETENTION_PRIORITY = 35
 
@@ -88,6 +88,9 @@ class GenerationRequest:
     lora_id: int | None = None
     priorities: tuple[PriorityRange, ...] = ()
     multimodal: tuple[MultimodalSpan, ...] = ()
+    # The prompt's block keys as the router computed them for its routing (kvcache/block_key.py),
+    # sent on so that a worker hashes the prompt only to check the first (empty: not sent).
+    block_keys: tuple[BlockHash, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)

@@ -64,6 +64,28 @@ class BlockHashChain:
     tokens_per_block: int = 0
     hashes: list[BlockHash] = field(default_factory=list)
 
+    @classmethod
+    def from_keys(cls, keys: Sequence[BlockHash], token_ids: Sequence[int], tokens_per_block: int,
+                  lora_id: int | None, multimodal: Sequence[MultimodalSpan], cache_salt: str | None) -> "BlockHashChain":
+        """A chain that starts with `keys`, another process's digests of `token_ids`' first full
+        blocks (the router's), when the first of them is this block's digest here: it covers the
+        block size, the first tokens, the adapter, the images and the salt, so keys made for
+        another request or under another block size are dropped (the blocks are hashed here),
+        never taken for a hit. Hashes the first block only."""
+        num_full = len(token_ids) // tokens_per_block
+        if not keys or len(keys) > num_full:
+            return cls()
+        first = hash_request_blocks(token_ids[:tokens_per_block], tokens_per_block, lora_id, multimodal, cache_salt)
+        if first[0] != keys[0]:
+            return cls(tokens_per_block, first)  # hashed already: keep it
+        return cls(tokens_per_block, list(keys))
+
+    def prefix(self, num_tokens: int) -> "BlockHashChain":
+        """A new chain with the digests of the first `num_tokens` tokens' full blocks (a fork's)."""
+        if not self.tokens_per_block:
+            return BlockHashChain()
+        return BlockHashChain(self.tokens_per_block, self.hashes[:num_tokens // self.tokens_per_block])
+
     def of(self, token_ids: Sequence[int], tokens_per_block: int, lora_id: int | None,
            multimodal: Sequence[MultimodalSpan], cache_salt: str | None) -> list[BlockHash]:
         """The digests of `token_ids`' full blocks (a new list), hashing only the blocks not seen yet."""

@@ -25,7 +25,6 @@ from pdserve.common.errors import (DuplicateRequestError, InvalidRequestError, O
 from pdserve.common.ids import BlockHash, BlockId, RequestId
 from pdserve.common.request import DEFAULT_RETENTION_PRIORITY
 from pdserve.kvcache.block import KvBlock, Tier
-from pdserve.kvcache.block_key import hash_request_blocks
 from pdserve.kvcache.config import KvCacheConfig
 from pdserve.kvcache.events import EventBuffer, KvEvent
 from pdserve.kvcache.lower_tier import LowerTier, TierMove
@@ -59,12 +58,22 @@ class ClaimResult:
 
 @dataclass(slots=True)
 class _Sequence:
+    """A claimed sequence. Its tokens and block digests are its request's (`token_ids`,
+    `hash_chain`): the list its owner keeps, never a copy, so each is held and hashed once."""
     request: CacheRequest
-    token_ids: list[int]
     blocks: list[KvBlock]
-    hashes: list[BlockHash]  # digests of the full blocks known so far
     num_computed_tokens: int
     num_published: int = 0  # blocks [0, num_published) are settled in the cache (or never will be)
+    num_claimed_tokens: int = 0  # the tokens it was claimed with; blocks past them hold generated ones
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids  # a list: `_admit` makes it one
+
+    @property
+    def hashes(self) -> list[BlockHash]:
+        """The digests of the full blocks hashed so far (see `_extend_hashes`)."""
+        return self.request.hash_chain.hashes
 
 
 class KvCacheManager:
@@ -214,8 +223,9 @@ class KvCacheManager:
             if explicit is not None:
                 self.pool.set_priority(block, explicit[0], self._expiry(explicit[1]))
         num_cached = len(matched) * self.tokens_per_block
-        seq = _Sequence(request, list(request.token_ids), matched + new_blocks,
-                        list(request.block_hashes(self.tokens_per_block)), num_cached, len(matched))
+        if not isinstance(request.token_ids, list):
+            request.token_ids = list(request.token_ids)  # `append_tokens` extends it
+        seq = _Sequence(request, matched + new_blocks, num_cached, len(matched), len(request.token_ids))
         self._seqs[request.request_id] = seq
         self.num_query_tokens += len(request.token_ids)
         self.num_hit_tokens += num_cached
@@ -240,7 +250,8 @@ class KvCacheManager:
         return [b.block_id for b in blocks]
 
     def append_tokens(self, request_id: RequestId, token_ids: Sequence[int]) -> None:
-        """Record generated tokens (their KV is written later, then `mark_computed`)."""
+        """Record generated tokens (their KV is written later, then `mark_computed`): they are
+        appended to the request's own token list."""
         self._get(request_id).token_ids.extend(token_ids)
 
     def mark_computed(self, request_id: RequestId, num_tokens: int) -> None:
@@ -264,26 +275,31 @@ class KvCacheManager:
         for block in reversed(seq.blocks):
             self.pool.unref(block)
 
-    def fork(self, request_id: RequestId, new_request_id: RequestId) -> tuple[ClaimResult, tuple[BlockId, BlockId] | None]:
-        """A new sequence sharing `request_id`'s computed full blocks (for `n` > 1 completions).
+    def fork(self, request_id: RequestId, child: CacheRequest) -> tuple[ClaimResult, tuple[BlockId, BlockId] | None]:
+        """A new sequence, `child`, sharing `request_id`'s computed full blocks (for `n` > 1
+        completions); `child` holds the parent's computed tokens (its own list) and the same key
+        dimensions, and may bring the parent's digests (`hash_chain`).
 
         A partially filled last block cannot be shared: the child gets a fresh block and the returned
         (source, destination) pair tells the engine which block's KV to copy.
         """
         parent = self._get(request_id)
+        new_request_id = child.request_id
         if new_request_id in self._seqs:
             raise DuplicateRequestError(f"fork: request {new_request_id!r} already held")
+        if list(child.token_ids) != parent.token_ids[:parent.num_computed_tokens]:
+            raise InvalidRequestError(f"fork: {new_request_id!r} must hold the {parent.num_computed_tokens} "
+                                      f"computed tokens of {request_id!r}", "token_ids")
         num_full, partial = divmod(parent.num_computed_tokens, self.tokens_per_block)
         copy_block = self.pool.allocate(1)[0] if partial else None
         shared = parent.blocks[:num_full]
         for block in shared:
             self.pool.ref(block)
         blocks = shared + ([copy_block] if copy_block else [])
-        request = CacheRequest(new_request_id, parent.request.token_ids, parent.request.lora_id,
-                               parent.request.cache_salt, parent.request.multimodal, parent.request.priorities,
-                               parent.request.decode_priority, parent.request.decode_duration_s)
-        seq = _Sequence(request, parent.token_ids[: parent.num_computed_tokens], blocks,
-                        list(parent.hashes), parent.num_computed_tokens, min(parent.num_published, num_full))
+        if not isinstance(child.token_ids, list):
+            child.token_ids = list(child.token_ids)
+        seq = _Sequence(child, blocks, parent.num_computed_tokens, min(parent.num_published, num_full),
+                        parent.num_claimed_tokens)
         self._seqs[new_request_id] = seq
         copy = (parent.blocks[num_full].block_id, copy_block.block_id) if copy_block else None
         return ClaimResult(new_request_id, tuple(b.block_id for b in blocks), 0), copy
@@ -372,7 +388,7 @@ class KvCacheManager:
     def _block_priority(self, seq: _Sequence, i: int) -> tuple[int, float | None]:
         begin = i * self.tokens_per_block
         request = seq.request
-        if begin < len(request.token_ids):
+        if begin < seq.num_claimed_tokens:
             explicit = request.block_priority(begin, begin + self.tokens_per_block)
             if explicit is not None:
                 return explicit[0], self._expiry(explicit[1])
@@ -380,9 +396,5 @@ class KvCacheManager:
         return request.decode_priority, self._expiry(request.decode_duration_s)
 
     def _extend_hashes(self, seq: _Sequence, num_full: int) -> None:
-        if len(seq.hashes) >= num_full:
-            return
-        r = seq.request
-        parent = seq.hashes[-1] if seq.hashes else None
-        seq.hashes += hash_request_blocks(seq.token_ids[: num_full * self.tokens_per_block], self.tokens_per_block,
-                                          r.lora_id, r.multimodal, r.cache_salt, len(seq.hashes), parent)
+        if len(seq.hashes) < num_full:
+            seq.request.block_hashes(self.tokens_per_block)  # the chain hashes the blocks it lacks

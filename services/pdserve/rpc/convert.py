@@ -11,7 +11,7 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from pdserve.common.errors import InvalidRequestError, WorkerError
-from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.ids import BlockHash, RequestId, WorkerId
 from pdserve.common.request import (
     GenerationRequest,
     Guide,
@@ -148,7 +148,7 @@ def request_to_proto(request: GenerationRequest, prefill_worker: str | None = No
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         cache_salt=request.cache_salt, lora_id=request.lora_id, priorities=priorities,
         multimodal=multimodal, sampling=sampling_to_proto(request.sampling), prefill_worker=prefill_worker,
-        prefill_worker_id=prefill_worker_id,
+        prefill_worker_id=prefill_worker_id, block_keys=request.block_keys,
     )
 
 
@@ -175,6 +175,7 @@ def request_from_proto(msg: rpb.GenerateRequest) -> GenerationRequest:
             for p in msg.priorities
         ),
         multimodal=tuple(MultimodalSpan(m.content_hash, m.offset, m.length) for m in msg.multimodal),
+        block_keys=tuple(BlockHash(key) for key in msg.block_keys),
     )
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
-from pdserve.common.errors import OutOfBlocksError, TransferError, WorkerTimeoutError
+from pdserve.common.errors import WorkerTimeoutError
 from pdserve.common.ids import RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, ModelInfo
@@ -281,27 +281,16 @@ class ThreadedEngine:
         command.stream.loop.call_soon_threadsafe(_set_value, command.admitted, None)
 
     def _admit_for_decode(self, command: AdmitForDecode) -> None:
-        request, engine = command.request, self._engine
+        request = command.request
         try:
-            verdict = DecodeVerdict(None, "no_prefill_worker")
-            if command.remote_possible:
-                if engine.remote.num_missing_prompt_tokens(request) < command.min_remote_tokens:
-                    verdict = DecodeVerdict(None, "few_missing_tokens")
-                else:
-                    try:
-                        verdict = DecodeVerdict(engine.remote.reserve(request, command.lease_s, command.arrival_s),
-                                                None)
-                    except OutOfBlocksError:
-                        verdict = DecodeVerdict(None, "no_free_blocks")
-                    except TransferError:  # a block of its cached prefix could not be read back
-                        verdict = DecodeVerdict(None, "lower_tier_read_failed")
-            if verdict.claim is None:
-                engine.add_request(request, arrival_s=command.arrival_s)
+            claim, local_reason = self._engine.remote.admit(
+                request, command.min_remote_tokens if command.remote_possible else None, command.lease_s,
+                command.arrival_s)
         except Exception as exc:  # a typed error for the caller, raised in its own loop
             command.stream.loop.call_soon_threadsafe(_set_exception, command.verdict, exc)
             return
         self._streams[request.request_id] = command.stream
-        command.stream.loop.call_soon_threadsafe(_set_value, command.verdict, verdict)
+        command.stream.loop.call_soon_threadsafe(_set_value, command.verdict, DecodeVerdict(claim, local_reason))
 
     def _run_call(self, command: Call) -> None:
         try:

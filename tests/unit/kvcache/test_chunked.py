@@ -66,7 +66,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     m = make_manager(num_blocks=8)
     m.add_sequence(make_request("a", range(6)))
     m.mark_computed("a", 6)
-    claim, copy = m.fork("a", "a#1")
+    claim, copy = m.fork("a", make_request("a#1", range(6)))
     assert claim.block_ids == (0, 2) and copy == (1, 2)
     assert m.pool.blocks[0].ref_count == 2
     assert m.num_computed_tokens("a#1") == 6

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pdserve.common.errors import OutOfBlocksError
+from pdserve.kvcache import CacheRequest
 from tests.unit.kvcache.conftest import FakeClock, make_manager, make_request
 
 PREFIXES = [list(range(p * 100, p * 100 + 12)) for p in range(3)]
@@ -18,6 +19,7 @@ class KvCacheMachine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.m = make_manager(num_blocks=12, tokens_per_block=4, clock=self.clock)
         self.live: dict[str, int] = {}  # request id -> prompt length
+        self.requests: dict[str, CacheRequest] = {}  # request id -> what it was claimed with
         self.next_id = 0
 
     def _new_id(self) -> str:
@@ -41,6 +43,7 @@ class KvCacheMachine(RuleBasedStateMachine):
             return
         assert analysis.fits and claim.num_cached_tokens == analysis.num_cached_tokens
         self.live[rid] = len(tokens)
+        self.requests[rid] = request
 
     @rule(data=st.data(), pair=st.booleans())
     def add_batch(self, data, pair):
@@ -53,6 +56,7 @@ class KvCacheMachine(RuleBasedStateMachine):
             return
         for r, c in zip(requests, claims):
             self.live[r.request_id] = len(r.token_ids)
+            self.requests[r.request_id] = r
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), n=st.integers(1, 6))
@@ -80,12 +84,15 @@ class KvCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        child = self._new_id()
+        parent = self.requests[rid]
+        child = CacheRequest(self._new_id(), parent.token_ids[:self.m.num_computed_tokens(rid)], parent.lora_id,
+                             parent.cache_salt, parent.multimodal, parent.priorities)
         try:
             self.m.fork(rid, child)
         except OutOfBlocksError:
             return
-        self.live[child] = self.m.num_computed_tokens(child)
+        self.live[child.request_id] = self.m.num_computed_tokens(child.request_id)
+        self.requests[child.request_id] = child
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -46,6 +46,7 @@ requests = st.builds(
     lora_id=st.none() | st.integers(-(2**63), 2**63 - 1),
     priorities=st.lists(st.builds(PriorityRange, u32, u32, u32, st.none() | finite), max_size=3).map(tuple),
     multimodal=st.lists(st.builds(MultimodalSpan, st.binary(max_size=8), u32, u32), max_size=2).map(tuple),
+    block_keys=st.lists(st.binary(min_size=32, max_size=32), max_size=3).map(tuple),
 )
 logprobs = st.builds(TokenLogprob, u32, finite, st.lists(st.tuples(u32, finite), max_size=3).map(tuple))
 outputs = st.builds(

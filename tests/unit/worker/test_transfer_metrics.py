@@ -4,7 +4,8 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from pdserve.worker import async_engine, disagg
+from pdserve.engine.core import remote_prefill
+from pdserve.worker import disagg
 from pdserve.worker.metrics import LOCAL_PREFILL_REASONS, TransferMetrics
 
 
@@ -20,7 +21,7 @@ def test_a_decode_workers_series_start_at_zero_for_every_fallback_reason() -> No
 
 def test_the_listed_fallback_reasons_are_the_ones_the_decode_worker_gives() -> None:
     given = set()
-    for module in (disagg, async_engine):
+    for module in (disagg, remote_prefill):
         source = Path(module.__file__).read_text()
-        given |= set(re.findall(r'(?:DecodeVerdict\(None, |return (?:None, )?)"(\w+)"', source))
+        given |= set(re.findall(r'(?:reason = |return (?:None, )?)"(\w+)"', source))
     assert given == set(LOCAL_PREFILL_REASONS)

@@ -40,7 +40,7 @@ from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerCo
 from pdserve.engine.core.sequence import Sequence, SeqStatus
 from pdserve.engine.core.stopping import finish_reason_after, is_stop_token
 from pdserve.engine.core.validation import check_request, check_request_id
-from pdserve.kvcache import KvCacheManager
+from pdserve.kvcache import BlockHashChain, KvCacheManager
 
 
 class LLMEngine:
@@ -83,11 +83,15 @@ class LLMEngine:
         """
         self._validate(request)
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids), arrival_s)
-        seq.cache_request().validate()
         seq.prefill_only = prefill_only
         seq.hold_lease_s = hold_lease_s
         seq.start_by = start_by
-        self._requests[request.request_id] = [seq]
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Queue a validated request's first sequence (its one sequence until it forks)."""
+        seq.cache_request().validate()
+        self._requests[seq.request.request_id] = [seq]
         self.scheduler.add(seq)
 
     def abort(self, request_id: RequestId) -> list[RequestOutput]:
@@ -184,15 +188,22 @@ class LLMEngine:
 
     def _new_sequence(self, request: GenerationRequest, index: int, token_ids: list[int],
                       arrival_s: float | None = None) -> Sequence:
+        """One of `request`'s sequences. The first (`index` 0) starts its block digests from the
+        router's keys (`request.block_keys`, checked by their first block); a sibling takes
+        its digests from its parent (`_siblings_to_sample`)."""
         seq_id = request.request_id if index == 0 else RequestId(f"{request.request_id}#{index}")
         sampling = request.sampling
         generator = None if sampling.seed is None else make_generator(sampling.seed, index, self.runner.device)
-        return Sequence(
+        seq = Sequence(
             seq_id, request, index, token_ids, self._detokenizer(request),
             StopChecker(sampling.stop, sampling.include_stop_str_in_output),
             next(self._arrivals), SeqTimes(self._clock() if arrival_s is None else arrival_s), generator,
             self._guide_matcher(request),
         )
+        if index == 0 and request.block_keys:
+            seq.hash_chain = BlockHashChain.from_keys(request.block_keys, token_ids, self.kv.tokens_per_block,
+                                                      request.lora_id, request.multimodal, request.cache_salt)
+        return seq
 
     def _guide_matcher(self, request: GenerationRequest) -> GuideMatcher | None:
         """A fresh grammar state for one of `request`'s sequences; InvalidRequestError for a
@@ -249,9 +260,10 @@ class LLMEngine:
         for index in range(1, seq.request.sampling.n):
             child = self._new_sequence(seq.request, index, list(seq.token_ids), seq.times.arrival_s)
             child.prompt_logprobs = seq.prompt_logprobs
+            child.hash_chain = seq.hash_chain.prefix(len(child.token_ids))
             family.append(child)
             try:
-                _, copy = self.kv.fork(seq.seq_id, child.seq_id)
+                _, copy = self.kv.fork(seq.seq_id, child.cache_request())
             except OutOfBlocksError:
                 self.scheduler.add(child)  # no room to share now: recompute from the prefix cache later
                 continue
@@ -277,8 +289,7 @@ class LLMEngine:
 
     def _advance(self, seq: Sequence, token_id: int, logprob, now: float) -> RequestOutput:
         self._step_stats.token(seq.times, seq.num_prompt_tokens, not seq.prefill_only, now)
-        seq.token_ids.append(token_id)
-        self.kv.append_tokens(seq.seq_id, [token_id])
+        self.kv.append_tokens(seq.seq_id, [token_id])  # onto seq.token_ids: the KV manager's list too
         sampling = seq.request.sampling
         is_text = sampling.include_stop_str_in_output or not is_stop_token(seq, token_id, self.eos_token_ids)
         delta = seq.detokenizer.add([token_id]) if is_text else ""

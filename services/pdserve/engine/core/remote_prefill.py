@@ -1,6 +1,6 @@
 """`RemotePrefill`: an engine's side of a prompt computed on one worker and decoded on another.
 
-    decode side:   num_missing_prompt_tokens → reserve ─┬─ complete: the peer's first token is emitted
+    decode side:   admit (or reserve) ───────────────────┬─ complete: the peer's first token is emitted
                                                         └─ fail: recompute here, or end with an error
     prefill side:  a prefill_only request ends HELD → held_block_ids → release_held
     both:          reap_expired, every loop iteration: leases past their end, orders past start-by
@@ -12,7 +12,7 @@ tiers and token emission are the engine's.
 """
 from dataclasses import replace
 
-from pdserve.common.errors import TransferError
+from pdserve.common.errors import OutOfBlocksError, TransferError
 from pdserve.common.ids import BlockId, RequestId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.engine.core.sequence import SeqStatus
@@ -26,11 +26,28 @@ class RemotePrefill:
     def __init__(self, engine) -> None:  # an LLMEngine (not imported: it imports this module)
         self._engine = engine
 
-    def num_missing_prompt_tokens(self, request: GenerationRequest) -> int:
-        """Prompt tokens this engine would have to compute (or receive): not in its prefix cache."""
-        seq = self._engine._new_sequence(request, 0, list(request.prompt_token_ids))
-        reuse = self._engine.kv.analyze_prefix_reuse(seq.cache_request())
-        return len(request.prompt_token_ids) - reuse.num_cached_tokens
+    def admit(self, request: GenerationRequest, min_remote_tokens: int | None, lease_s: float,
+              arrival_s: float | None = None) -> tuple[ClaimResult | None, str | None]:
+        """Decode side, one sequence for the request: blocks reserved for a remote prefill (the
+        claim, as `reserve`) when `min_remote_tokens` is set, at least that many prompt tokens
+        are not cached here and blocks are free; else the request is queued for a local
+        prefill, with the reason. A typed error refuses it, changing nothing."""
+        engine = self._engine
+        engine._validate(request)
+        seq = engine._new_sequence(request, 0, list(request.prompt_token_ids), arrival_s)
+        reason = "no_prefill_worker"
+        if min_remote_tokens is not None:
+            reuse = engine.kv.analyze_prefix_reuse(seq.cache_request())
+            reason = "few_missing_tokens"
+            if seq.num_prompt_tokens - reuse.num_cached_tokens >= min_remote_tokens:
+                try:
+                    return self._reserve(seq, lease_s), None
+                except OutOfBlocksError:
+                    reason = "no_free_blocks"
+                except TransferError:  # a block of its cached prefix could not be read back
+                    reason = "lower_tier_read_failed"
+        engine._enqueue(seq)
+        return None, reason
 
     def reserve(self, request: GenerationRequest, lease_s: float, arrival_s: float | None = None) -> ClaimResult:
         """Decode side: claim blocks for the whole prompt (its cached prefix reused locally).
@@ -38,9 +55,12 @@ class RemotePrefill:
         The prompt's remaining KV is expected from a peer before `lease_s` passes; then call
         `complete` or `fail`. OutOfBlocksError leaves nothing reserved.
         """
-        engine = self._engine
-        engine._validate(request)
-        seq = engine._new_sequence(request, 0, list(request.prompt_token_ids), arrival_s)
+        self._engine._validate(request)
+        return self._reserve(self._engine._new_sequence(request, 0, list(request.prompt_token_ids), arrival_s),
+                             lease_s)
+
+    def _reserve(self, seq, lease_s: float) -> ClaimResult:
+        engine, request = self._engine, seq.request
         seq.times.scheduled_s, seq.times.prefilled_here = engine._clock(), False
         claim = engine.kv.add_sequence(seq.cache_request())
         if engine._move_between_tiers() & set(claim.block_ids):  # before a peer writes into the blocks

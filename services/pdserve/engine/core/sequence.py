@@ -65,10 +65,11 @@ class Sequence:
         return self.num_output_tokens == 0
 
     def cache_request(self, num_claim_tokens: int | None = None) -> CacheRequest:
-        """The KV cache's view of this sequence (its whole token list, for recompute after preemption).
+        """The KV cache's view of this sequence: its token list (not a copy: a claimed sequence's
+        tokens are appended through the KV manager) and its block digests.
         A prompt whose logprobs are wanted is computed whole, never taken from the cache."""
         r = self.request
-        return CacheRequest(self.seq_id, list(self.token_ids), r.lora_id, r.cache_salt, r.multimodal,
+        return CacheRequest(self.seq_id, self.token_ids, r.lora_id, r.cache_salt, r.multimodal,
                             r.priorities, num_claim_tokens=num_claim_tokens,
                             reuse_cached_prefix=not self.wants_prompt_logprobs, hash_chain=self.hash_chain)
 

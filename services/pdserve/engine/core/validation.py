@@ -17,6 +17,7 @@ from pdserve.engine.model.sampler import MAX_LOGPROBS, check_sampling_params
 # them (a sibling completion's "<id>#<index>", a retry's "<id>~<n>"), so no two requests' sequences
 # can share an id inside a step's batch.
 RESERVED_ID_MARKS = ("#", "~")
+KEY_BYTES = 32  # a block key: a SHA-256 digest (kvcache/block_key.py)
 
 
 def check_request_id(request_id: RequestId, is_in_use: Callable[[RequestId], bool]) -> None:
@@ -52,3 +53,6 @@ def check_request(request: GenerationRequest, vocab_size: int, config: Scheduler
     if num_top is not None and not 0 <= num_top <= MAX_LOGPROBS:
         raise InvalidRequestError(f"prompt_logprobs={num_top!r} must be in 0..{MAX_LOGPROBS}", "prompt_logprobs")
     check_processor_params(request.sampling, vocab_size)
+    if any(len(key) != KEY_BYTES for key in request.block_keys) or len(request.block_keys) > len(prompt):
+        raise InvalidRequestError(f"block_keys must be {KEY_BYTES}-byte digests, at most one per prompt token",
+                                  "block_keys")

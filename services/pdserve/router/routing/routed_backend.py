@@ -116,7 +116,8 @@ class RoutedBackend:
             index.hold(prefill.address, keys)
         self._live[client_id] = (request.request_id, decision)
         try:
-            outputs = decode.client.generate(request, prefill.address if prefill else None,
+            sent = replace(request, block_keys=tuple(keys))  # hashed here once: the workers check the first
+            outputs = decode.client.generate(sent, prefill.address if prefill else None,
                                              prefill.worker_id if prefill else None)
             async with aclosing(outputs):
                 is_first = True

@@ -116,7 +116,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[SamplingParams.TokenBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., bad_words: _Optional[_Iterable[_Union[SamplingParams.TokenSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., guide_kind: _Optional[_Union[GuideKind, str]] = ..., guide: _Optional[str] = ..., guide_done_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "lora_id", "priorities", "multimodal", "output_stream", "prefill_worker", "prefill_worker_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "lora_id", "priorities", "multimodal", "output_stream", "block_keys", "prefill_worker", "prefill_worker_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class GenerateRequest(_message.Message):
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_STREAM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -135,9 +136,10 @@ class GenerateRequest(_message.Message):
     priorities: _containers.RepeatedCompositeFieldContainer[PriorityRange]
     multimodal: _containers.RepeatedCompositeFieldContainer[MultimodalSpan]
     output_stream: str
+    block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     prefill_worker: str
     prefill_worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., priorities: _Optional[_Iterable[_Union[PriorityRange, _Mapping]]] = ..., multimodal: _Optional[_Iterable[_Union[MultimodalSpan, _Mapping]]] = ..., output_stream: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., priorities: _Optional[_Iterable[_Union[PriorityRange, _Mapping]]] = ..., multimodal: _Optional[_Iterable[_Union[MultimodalSpan, _Mapping]]] = ..., output_stream: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prefill_worker: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

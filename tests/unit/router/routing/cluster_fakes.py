@@ -46,6 +46,7 @@ class FakeWorker:
         self.prefills_locally = False
         self.generated: list[tuple[RequestId, str | None]] = []  # (request id, prefill worker)
         self.prefill_worker_ids: list[WorkerId | None] = []  # the prefill worker's id, per generate call
+        self.block_keys: list[tuple] = []  # the prompt's keys the router sent, per generate call
         self.aborted: list[RequestId] = []
         self.loras: dict[str, LoraAdapterInfo] = {}  # loaded through the router
         self.lora_error: Exception | None = None  # raised by the next load or unload
@@ -67,6 +68,7 @@ class FakeWorker:
         self._check()
         self.generated.append((request.request_id, prefill_worker))
         self.prefill_worker_ids.append(prefill_worker_id)
+        self.block_keys.append(request.block_keys)
         for i in range(2):
             if self.fail_generate_after == i:
                 raise WorkerUnavailableError(self.address, "stream broke")

@@ -73,6 +73,7 @@ def test_the_decode_worker_is_told_its_prefill_worker_and_the_id_it_gave(prefill
     asyncio.run(scenario())
     assert (workers["d:2"].generated, workers["p:1"].generated) == ([("r-0", "p:1")], [])
     assert workers["d:2"].prefill_worker_ids == [prefill_id]
+    assert workers["d:2"].block_keys == [tuple(prompt_block_keys(request(), TPB))]  # hashed here, sent on
 
 
 def test_the_route_reports_the_path_that_ran_when_the_decode_worker_prefilled_itself() -> None:

@@ -132,6 +132,7 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
     gate = DrainGate(served)
     if parts.prefill is not None:  # prefill orders pass the Worker service's policies too
         parts.prefill.entry = entry_of(gate, served)
+    loras.entry = entry_of(gate, served, is_request=False)  # so do adapter loads and unloads
     engine.start()
     background = asyncio.create_task(run_background(parts, engine, metrics))
     watching = asyncio.create_task(watchdog.run())
@@ -153,16 +154,10 @@ async def run_worker(settings: WorkerSettings, tls: TlsConfig | None = None) -> 
 
 async def spill_host_tier(engine: ThreadedEngine, timeout_s: float) -> None:
     """At a graceful stop, write the host tier's keepable blocks to the disk tier (bounded)."""
-    def spill(llm) -> int:
-        moves = llm.kv.spill_host_tier()
-        if moves:
-            llm.tier_store.apply(moves)
-        return len(moves)
-
     if engine.engine.kv.disk is None:
         return
     try:
-        written = await engine.call(spill, engine.engine, timeout_s=timeout_s)
+        written = await engine.spill_host_tier(timeout_s)
         log.info("disk KV tier: wrote %d host-tier blocks before stopping", written)
     except (TimeoutError, asyncio.TimeoutError):
         log.warning("disk KV tier: the host tier was not written within %g s", timeout_s)

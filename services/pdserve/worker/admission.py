@@ -7,7 +7,9 @@ Contracts:
   `EngineWedgedError` naming why (a wedged engine's figures are stale), so health answers
   NOT_SERVING and the router's load poll takes the worker out of rotation until it recovers;
 - everything else is `inner`'s.
-A prefill worker's KvTransfer orders pass the same checks (`waiting`, through `entry_of`).
+A prefill worker's KvTransfer orders pass the same checks (`waiting`, through `entry_of`), and
+LoRA loads and unloads the drain gate and the wedge check (`entry_of(..., is_request=False)`);
+an integrity check is refused at once while wedged, as `stats` is.
 """
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
@@ -74,7 +76,12 @@ class BoundedEngine:
         return self._inner.info()
 
     async def check_integrity(self) -> KvIntegrity:
+        self._check_serving()  # its answer would wait out the step that wedged the engine
         return await self._inner.check_integrity()
+
+    def check_serving(self) -> None:
+        """EngineWedgedError, naming why, while the watchdog finds the engine wedged."""
+        self._check_serving()
 
     def _check_serving(self) -> None:
         reason = self._wedge.wedged_reason()
@@ -82,13 +89,20 @@ class BoundedEngine:
             raise EngineWedgedError(reason)
 
 
-def entry_of(gate: DrainGate, bounded: BoundedEngine) -> Callable[[], AbstractAsyncContextManager]:
+def entry_of(gate: DrainGate, bounded: BoundedEngine, is_request: bool = True
+             ) -> Callable[[], AbstractAsyncContextManager]:
     """What a prefill order passes before it reaches the engine, as a Generate stream does: the
     drain gate (refused once draining, and waited for by the drain), then the wedge check and
-    the waiting bound (its slot held until it is answered)."""
+    the waiting bound (its slot held until it is answered). `is_request` False (a LoRA load or
+    unload): the drain gate and the wedge check, no waiting slot."""
     @asynccontextmanager
     async def entered() -> AsyncIterator[None]:
-        async with gate.running(), bounded.waiting():
-            yield
+        async with gate.running():
+            if not is_request:
+                bounded.check_serving()
+                yield
+                return
+            async with bounded.waiting():
+                yield
 
     return entered

@@ -23,41 +23,22 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
 
 from pdserve.common.errors import WorkerTimeoutError
-from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.ids import BlockHash, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.common.stats import EngineStats, KvIntegrity, LoraAdapterInfo, ModelInfo
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.request_stats import StepStats
 from pdserve.worker.cpu.core_share import CoreShare, FixedThreads
-from pdserve.worker.engine_inbox import Abort, Admit, AdmitForDecode, Call, Command, Inbox, Stream
-from pdserve.kvcache import ClaimResult, IntegrityError, KvEvent, Tier
+from pdserve.engine.loading.lora_files import LoraCheckpoint
+from pdserve.worker.engine_inbox import Abort, Admit, AdmitForDecode, Command, DecodeVerdict, Inbox, Op, Query, Stream
+from pdserve.worker.engine_ops import operations
+from pdserve.worker.engine_views import QueueView, engine_stats, queue_view
+from pdserve.kvcache import KvEvent, Tier
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class QueueView:
-    """What the worker's metrics read beyond `EngineStats` (which the router's load polls carry):
-    requests whose prompt's KV is still on its way from a peer (vLLM counts them as waiting), and
-    the LoRA adapters of running and of waiting requests."""
-
-    num_awaiting_kv: int = 0
-    running_adapters: tuple[str, ...] = ()
-    waiting_adapters: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeVerdict:
-    """Where a decode worker's request is prefilled: `claim` set for a remote prefill into the
-    reserved blocks, else `local_reason` (the request is queued here already)."""
-    claim: ClaimResult | None
-    local_reason: str | None
 
 
 class ThreadedEngine:
@@ -75,12 +56,13 @@ class ThreadedEngine:
         self._streams: dict[RequestId, Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._stats = self._snapshot()
+        self._stats = engine_stats(engine)
         self._queues = QueueView()
         self._kv_event_listeners: list[Callable[[list[KvEvent]], None]] = []
         self._step_stats_listeners: list[Callable[[StepStats], None]] = []
         self._go = threading.Event()  # start() on an engine built on its loop thread
         self._thread = _on_thread or threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._operations = operations(engine)
 
     @classmethod
     def built_on_loop_thread(cls, build: Callable[[], tuple[LLMEngine, ModelInfo]], **options) -> "ThreadedEngine":
@@ -195,11 +177,33 @@ class ThreadedEngine:
 
     async def complete_remote(self, request_id: RequestId, first_token: int, logprob=None) -> None:
         """Decode side: the prompt's KV has landed; its outputs go to the request's stream."""
-        await self.call(self._engine.remote.complete, request_id, first_token, logprob)
+        await self._query(Op.COMPLETE_REMOTE, request_id, first_token, logprob)
 
     async def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> None:
         """Decode side: the transfer failed (blocks quarantined); recompute here or end with an error."""
-        await self.call(self._engine.remote.fail, request_id, recompute, reason)
+        await self._query(Op.FAIL_REMOTE, request_id, recompute, reason)
+
+    async def release_held(self, request_id: RequestId) -> None:
+        """Prefill side: the peer has the prompt's KV (or never will): free its held blocks."""
+        await self._query(Op.RELEASE_HELD, request_id)
+
+    async def add_lora(self, checkpoint: LoraCheckpoint, timeout_s: float | None = None) -> None:
+        await self._query(Op.ADD_LORA, checkpoint, timeout_s=timeout_s)
+
+    async def remove_lora(self, lora_id: int, timeout_s: float | None = None) -> None:
+        await self._query(Op.REMOVE_LORA, lora_id, timeout_s=timeout_s)
+
+    async def ping(self, timeout_s: float) -> None:
+        """Returns once the engine thread takes a command (TimeoutError after `timeout_s`)."""
+        await self._query(Op.PING, timeout_s=timeout_s)
+
+    async def kv_snapshot(self, timeout_s: float) -> tuple[int, list[tuple[BlockHash, Tier]]]:
+        """The seq of the first KV event not reflected, and every cached block with its best tier."""
+        return await self._query(Op.KV_SNAPSHOT, timeout_s=timeout_s)
+
+    async def spill_host_tier(self, timeout_s: float) -> int:
+        """At a graceful stop: write the host tier's keepable blocks to the disk tier; how many."""
+        return await self._query(Op.SPILL_HOST_TIER, timeout_s=timeout_s)
 
     async def _until_admitted(self, request_id: RequestId, admitted: asyncio.Future):
         try:
@@ -211,27 +215,15 @@ class ThreadedEngine:
     async def abort(self, request_id: RequestId) -> None:
         self._send(Abort(request_id))
 
-    async def call(self, fn: Callable[..., T], *args, timeout_s: float | None = None) -> T:
-        """Run `fn(*args)` on the engine thread between steps; its result or exception comes back here.
+    async def check_integrity(self) -> KvIntegrity:
+        return await self._query(Op.CHECK_INTEGRITY)
 
-        RequestOutputs it returns as a list are also delivered to their streams.
-        """
+    async def _query(self, op: Op, *args, timeout_s: float | None = None):
+        """`op(*args)` on the engine thread between steps; its result or typed error comes back here."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._send(Call(fn, args, loop, done))
+        self._send(Query(op, args, loop, done))
         return await asyncio.wait_for(done, timeout_s or self._admit_timeout_s)
-
-    async def check_integrity(self) -> KvIntegrity:
-        return await self.call(self._check_integrity)
-
-    def _check_integrity(self) -> KvIntegrity:
-        kv = self._engine.kv
-        held = len(self._engine.handoffs) + self._engine.handoffs.num_quarantined  # waiting on a transfer's outcome
-        try:
-            kv.check_integrity()
-        except IntegrityError as exc:
-            return KvIntegrity(False, str(exc), held, kv.num_used_blocks)
-        return KvIntegrity(True, "", held, kv.num_used_blocks)
 
     # ---- the engine thread -------------------------------------------------------------------
 
@@ -249,8 +241,8 @@ class ThreadedEngine:
             self._deliver(self._engine.remote.reap_expired())
             self._publish_kv_events()
             self._publish_step_stats()
-            self._stats = self._snapshot()  # before idling, so load reports are never a turn stale
-            self._queues = self._queue_view()
+            self._stats = engine_stats(self._engine)  # before idling, so load reports are never a turn stale
+            self._queues = queue_view(self._engine)
             if not self._engine.has_work:
                 self._cores.idle()
                 self._wake.wait(self._idle_wait_s)
@@ -264,8 +256,8 @@ class ThreadedEngine:
                     self._admit(command)
                 case AdmitForDecode():
                     self._admit_for_decode(command)
-                case Call():
-                    self._run_call(command)
+                case Query():
+                    self._answer(command)
                 case Abort(request_id):
                     self._deliver(self._engine.abort(request_id))
                     self._streams.pop(request_id, None)
@@ -292,15 +284,15 @@ class ThreadedEngine:
         self._streams[request.request_id] = command.stream
         command.stream.loop.call_soon_threadsafe(_set_value, command.verdict, DecodeVerdict(claim, local_reason))
 
-    def _run_call(self, command: Call) -> None:
+    def _answer(self, query: Query) -> None:
         try:
-            result = command.fn(*command.args)
+            result = self._operations[query.op](*query.args)
         except Exception as exc:
-            command.loop.call_soon_threadsafe(_set_exception, command.done, exc)
+            query.loop.call_soon_threadsafe(_set_exception, query.done, exc)
             return
         if isinstance(result, list) and all(isinstance(r, RequestOutput) for r in result):
             self._deliver(result)
-        command.loop.call_soon_threadsafe(_set_value, command.done, result)
+        query.loop.call_soon_threadsafe(_set_value, query.done, result)
 
     def _step(self) -> None:
         try:
@@ -345,43 +337,6 @@ class ThreadedEngine:
         if stats:
             for listener in self._step_stats_listeners:
                 listener(stats)
-
-    def _snapshot(self) -> EngineStats:
-        kv = self._engine.kv
-        scheduler = self._engine.scheduler
-        return EngineStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks, num_used_blocks=kv.num_used_blocks,
-            num_prefill_tokens_queued=scheduler.num_prefill_tokens_queued,
-            prefix_cache_queried_tokens=kv.num_query_tokens, prefix_cache_hit_tokens=kv.num_hit_tokens,
-            num_preemptions=scheduler.num_preemptions,
-            num_host_blocks=kv.host.num_slots if kv.host else 0,
-            num_host_cached_blocks=len(kv.host.entries) if kv.host else 0,
-            num_offloaded_blocks=kv.tiers.num_offloaded, num_onboarded_blocks=kv.tiers.num_onboarded,
-            num_disk_blocks=kv.disk.num_slots if kv.disk else 0,
-            num_disk_cached_blocks=len(kv.disk.entries) if kv.disk else 0,
-            num_spilled_blocks=kv.tiers.num_spilled, num_loaded_blocks=kv.tiers.num_loaded,
-            num_corrupt_disk_blocks=kv.tiers.num_corrupt,
-            num_host_cached_bytes=len(kv.host.entries) * self._bytes_per_block if kv.host else 0,
-            num_disk_cached_bytes=len(kv.disk.entries) * self._bytes_per_block if kv.disk else 0,
-            prefix_cache_host_hit_tokens=kv.tiers.hit_tokens[Tier.HOST],
-            prefix_cache_disk_hit_tokens=kv.tiers.hit_tokens[Tier.DISK],
-            num_dropped_by_priority=kv.pool.num_dropped_by_priority,
-        )
-
-    def _queue_view(self) -> QueueView:
-        scheduler = self._engine.scheduler
-        return QueueView(self._engine.handoffs.num_awaiting_kv, _adapters(scheduler.running),
-                         _adapters(scheduler.waiting))
-
-    @property
-    def _bytes_per_block(self) -> int:
-        block = self._engine.runner.kv_tensor[0]
-        return block.numel() * block.element_size()
-
-
-def _adapters(seqs) -> tuple[str, ...]:
-    return tuple(sorted({str(s.request.lora_id) for s in seqs if s.request.lora_id is not None}))
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -1,16 +1,17 @@
 """The engine thread's inbox: what the event loops send it, taken in order between steps.
 
-While a step waits for a core a peer still uses (`core_share.py`), the thread takes calls and
-aborts but stops at the first admission, which it holds and takes first after the step:
+The commands are typed: admissions, aborts and `Query` of one `Op`s, never a callable. While a
+step waits for a core a peer still uses (`core_share.py`), the thread takes queries and aborts but stops at the first admission, which it holds and takes first after the step:
 commands keep their order, and requests admitted meanwhile join the step they always did.
 """
 import asyncio
+import enum
 import queue
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest
+from pdserve.kvcache import ClaimResult
 
 
 @dataclass(slots=True)
@@ -35,6 +36,14 @@ class Admit:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeVerdict:
+    """Where a decode worker's request is prefilled: `claim` set for a remote prefill into the
+    reserved blocks, else `local_reason` (the request is queued here already)."""
+    claim: ClaimResult | None
+    local_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class AdmitForDecode:
     """Decode side, in one hop: reserve blocks for a remote prefill, or queue the request here.
     `verdict` gets a DecodeVerdict, or the typed error that refused the request."""
@@ -52,17 +61,31 @@ class Abort:
     request_id: RequestId
 
 
+class Op(enum.Enum):
+    """What else the engine thread does between steps, for the worker's parts: a closed set (no
+    callable reaches the thread), each answered with its result or typed error."""
+    PING = "ping"  # nothing: the watchdog's proof that the thread takes commands
+    COMPLETE_REMOTE = "complete_remote"  # (request id, first token, logprob): engine.remote.complete
+    FAIL_REMOTE = "fail_remote"  # (request id, recompute, reason): engine.remote.fail
+    RELEASE_HELD = "release_held"  # (request id,): engine.remote.release_held
+    ADD_LORA = "add_lora"  # (LoraCheckpoint,)
+    REMOVE_LORA = "remove_lora"  # (lora id,)
+    CHECK_INTEGRITY = "check_integrity"  # (): a KvIntegrity
+    KV_SNAPSHOT = "kv_snapshot"  # (): (next event seq, every cached block with its tier)
+    SPILL_HOST_TIER = "spill_host_tier"  # (): how many host-tier blocks were written to disk
+
+
 @dataclass(frozen=True, slots=True)
-class Call:
-    """Run `fn(*args)` between steps; `done` gets its value or exception. RequestOutputs in a
-    returned list are delivered to their streams."""
-    fn: Callable
+class Query:
+    """Do `op` with `args` between steps; `done` gets its value or typed error. RequestOutputs in
+    a returned list are also delivered to their streams."""
+    op: Op
     args: tuple
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future
 
 
-Command = Admit | AdmitForDecode | Abort | Call
+Command = Admit | AdmitForDecode | Abort | Query
 
 
 class Inbox:

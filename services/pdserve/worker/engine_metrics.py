@@ -18,7 +18,8 @@ from prometheus_client.registry import Collector
 
 from pdserve.common.stats import EngineStats
 from pdserve.engine.core.request_stats import StepStats
-from pdserve.worker.async_engine import QueueView, ThreadedEngine
+from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.worker.engine_views import QueueView
 
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason strings, and ours

@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 from pdserve.common.errors import ConfigError, InvalidRequestError, UnknownLoraAdapterError
@@ -35,6 +36,9 @@ class LoraRegistry:
         self._roots = tuple(Path(os.path.realpath(root)) for root in roots)
         self._adapters: dict[str, LoraAdapterInfo] = {}
         self._lock = asyncio.Lock()  # one change at a time: a load reads files before it adds
+        # What a load or unload passes first, as every request does (admission.entry_of): refused
+        # while the worker drains or its engine is wedged. None: nothing (a worker not serving yet).
+        self.entry: Callable[[], AbstractAsyncContextManager] = contextlib.nullcontext
 
     @property
     def is_enabled(self) -> bool:
@@ -60,7 +64,7 @@ class LoraRegistry:
         if name == self._engine.info().model_name:
             raise InvalidRequestError(f"lora_name {name!r} is the base model's name", "lora_name")
         folder = self._confined(path)
-        async with self._lock:
+        async with self.entry(), self._lock:
             try:
                 checkpoint = await asyncio.to_thread(read_lora_checkpoint, folder)
             except ConfigError as exc:
@@ -70,7 +74,7 @@ class LoraRegistry:
                 raise InvalidRequestError(f"a LoRA adapter named {name!r} is loaded already, from other files "
                                           f"({loaded.path}); unload it first", "lora_name")
             try:
-                await self._engine.call(self._engine.engine.add_lora, checkpoint)
+                await self._engine.add_lora(checkpoint)
             except ConfigError as exc:
                 raise InvalidRequestError(str(exc), "lora_path") from None
             adapter = LoraAdapterInfo(name, checkpoint.lora_id, checkpoint.path)
@@ -82,13 +86,13 @@ class LoraRegistry:
     async def unload(self, name: str) -> None:
         """UnknownLoraAdapterError when no adapter has that name."""
         self._check_enabled()
-        async with self._lock:
+        async with self.entry(), self._lock:
             adapter = self._adapters.pop(name, None)
             if adapter is None:
                 raise UnknownLoraAdapterError(f"no LoRA adapter named {name!r} is loaded")
             self._publish()
             if adapter.lora_id not in self.lora_ids():
-                await self._engine.call(self._engine.engine.remove_lora, adapter.lora_id)
+                await self._engine.remove_lora(adapter.lora_id)
         log.info("LoRA adapter %r unloaded", name)
 
     def _confined(self, path: str) -> Path:

@@ -160,7 +160,7 @@ class PrefillService:
             if done is not None and not done.cancelled() and isinstance(done.exception(), _Unstoppable):
                 log.warning("keeping the blocks of %s until their lease: %s", request_id, done.exception())
                 return
-            task = asyncio.ensure_future(self._engine.call(self._engine.engine.remote.release_held, request_id))
+            task = asyncio.ensure_future(self._engine.release_held(request_id))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 

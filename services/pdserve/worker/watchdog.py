@@ -9,20 +9,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
 class EngineThread(Protocol):
-    """What the watchdog needs of `ThreadedEngine`: run a function on its thread between steps."""
+    """What the watchdog needs of `ThreadedEngine`: a no-op command, answered between steps."""
 
-    async def call(self, fn: Callable[..., T], *args: object, timeout_s: float | None = None) -> T: ...
-
-
-def _noop() -> None:
-    return None
+    async def ping(self, timeout_s: float) -> None: ...
 
 
 class EngineWatchdog:
@@ -42,7 +37,7 @@ class EngineWatchdog:
             if self._waiting_since is None:
                 self._waiting_since = self._clock()
             try:
-                await self._engine.call(_noop, timeout_s=self._step_timeout_s)
+                await self._engine.ping(self._step_timeout_s)
             except TimeoutError:
                 log.warning("%s", self.wedged_reason() or "engine wedged")
                 continue  # still stuck: ask again, counting from the first unanswered command

@@ -25,7 +25,7 @@ from pdserve.common.stats import EngineStats, WorkerRole
 from pdserve.common.tls import TlsConfig
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.serve.certs import main as certs_main
-from pdserve.worker.async_engine import QueueView
+from pdserve.worker.engine_views import QueueView
 from pdserve.worker.engine_metrics import EngineMetrics, EngineSnapshotCollector
 from pdserve.worker.metrics import TransferMetrics
 

@@ -23,6 +23,7 @@ from pdserve.transfer.fake import FakeFabric, FakeTransport, Fault
 from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.disagg import DecodeEngine, DisaggConfig
+from pdserve.worker.engine_inbox import Op
 from pdserve.worker.kv.peers import PrefillPeers
 from pdserve.worker.metrics import TransferMetrics
 from pdserve.worker.prefill_service import PrefillService
@@ -120,6 +121,17 @@ def _run(checkpoint, body, fault=None, transfer_timeout_s=2.0, recompute=False, 
             pair.d.engine.kv.check_integrity()
 
     return asyncio.run(main())
+
+
+
+async def _on_engine_thread(threaded, look):
+    """`look()` on the engine thread between steps (a test's look at its state), run in place of
+    the ping query's no-op: the inbox takes no callable."""
+    threaded._operations[Op.PING] = look
+    try:
+        return await threaded._query(Op.PING, timeout_s=10)
+    finally:
+        threaded._operations[Op.PING] = lambda: None
 
 
 def test_remote_prefill_equals_local_prefill(checkpoint):
@@ -261,10 +273,10 @@ def test_a_late_write_after_a_failed_prefill_lands_only_in_quarantined_blocks(ch
             return found
 
         (peer, targets), = pair.fabric.late_write_targets()
-        held_by = await pair.d.call(owners)
+        held_by = await _on_engine_thread(pair.d, owners)
         assert peer == "d" and all(held_by.get(b) == ["r"] for b in targets), held_by
         # Its 9 prompt blocks are settled (decoding writes only into the blocks after them).
-        prompt_blocks = (await pair.d.call(lambda: list(engine.kv.block_ids(RequestId("other")))))[:9]
+        prompt_blocks = (await _on_engine_thread(pair.d, lambda: list(engine.kv.block_ids(RequestId("other")))))[:9]
         before = engine.runner.kv_tensor[prompt_blocks].clone()
         assert pair.fabric.land_late_writes() == 1
         assert torch.equal(engine.runner.kv_tensor[prompt_blocks], before)

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.stats import EngineStats
 from pdserve.engine.core.request_stats import FinishedSeq, PrefillDone, StepStats
-from pdserve.worker.async_engine import QueueView
+from pdserve.worker.engine_views import QueueView
 from pdserve.worker.engine_metrics import EngineMetrics, EngineSnapshotCollector, build_1_2_5_buckets
 
 LABELS = {"model_name": "tiny", "engine": "0"}

@@ -7,14 +7,16 @@ import shutil
 
 import pytest
 
-from pdserve.common.errors import InvalidRequestError, UnknownLoraAdapterError
+from pdserve.common.errors import EngineWedgedError, InvalidRequestError, UnknownLoraAdapterError, WorkerDrainingError
 from pdserve.common.stats import ModelInfo, WorkerRole
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.model.lora import LoraSettings
 from pdserve.engine.model.runner import ModelRunner
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
+from pdserve.worker.admission import BoundedEngine, entry_of
 from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.worker.drain import DrainGate
 from pdserve.worker.lora_registry import LoraRegistry
 from tests.lora_builders import make_adapter
 from tests.unit.engine.token_store_runner import CharTokenizer
@@ -154,3 +156,40 @@ def test_a_weights_file_larger_than_an_adapter_of_this_model_is_not_read(folder,
             await loras.load("big", str(big))
 
     _with_registry(folder, body, roots=(str(tmp_path),))
+
+
+class Wedged:
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def wedged_reason(self) -> str | None:
+        return self.reason
+
+
+def test_loads_and_unloads_pass_the_drain_gate_and_the_wedge_check(folder) -> None:
+    """As every request: refused once the worker drains or while its engine is wedged, changing
+    nothing; a load under way holds the drain until it ends."""
+    async def body(loras: LoraRegistry, engine: ThreadedEngine) -> None:
+        wedge = Wedged()
+        bounded = BoundedEngine(engine, max_waiting=4, wedge=wedge)
+        gate = DrainGate(bounded)
+        loras.entry = entry_of(gate, bounded, is_request=False)
+        await loras.load("a", str(folder / "a"))
+        wedge.reason = "engine wedged: a test"
+        with pytest.raises(EngineWedgedError):
+            await loras.load("b", str(folder / "b"))
+        with pytest.raises(EngineWedgedError):
+            await loras.unload("a")
+        with pytest.raises(EngineWedgedError):
+            await bounded.check_integrity()
+        wedge.reason = None
+        assert bounded.num_waiting == 0  # a load is no waiting request
+        gate.close("the worker is stopping")
+        with pytest.raises(WorkerDrainingError, match="stopping"):
+            await loras.load("b", str(folder / "b"))
+        with pytest.raises(WorkerDrainingError):
+            await loras.unload("a")
+        assert [a.name for a in engine.info().lora_adapters] == ["a"]  # nothing changed
+        assert await gate.wait_idle(1.0)
+
+    _with_registry(folder, body)

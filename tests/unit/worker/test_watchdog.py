@@ -9,7 +9,7 @@ WAIT_S = 10.0
 
 
 class EngineThreadStandIn:
-    """Answers `call` at once while `is_free` is set; else holds it (or times it out)."""
+    """Answers `ping` at once while `is_free` is set; else holds it (or times it out)."""
 
     def __init__(self) -> None:
         self.is_free = asyncio.Event()
@@ -17,13 +17,12 @@ class EngineThreadStandIn:
         self.num_held = 0
         self.times_out = False
 
-    async def call(self, fn: Callable, *args: object, timeout_s: float | None = None) -> object:
+    async def ping(self, timeout_s: float) -> None:
         if self.times_out:
             await asyncio.sleep(0)
             raise TimeoutError()
         self.num_held += not self.is_free.is_set()
         await self.is_free.wait()
-        return fn(*args)
 
 
 def run(scenario: Coroutine[Any, Any, None]) -> None:

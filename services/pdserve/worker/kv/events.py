@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.kvcache import KvCacheManager, KvEvent
+from pdserve.kvcache import KvEvent
 from pdserve.rpc import kv_events as convert
 from pdserve.rpc.kv_events_service import SubscriberOverflow, add_kv_events_service
 from pdserve.worker.async_engine import ThreadedEngine
@@ -86,13 +86,9 @@ class KvEventPublisher:
             self._subscribers.discard(subscriber)
 
     async def snapshot(self) -> convert.KvSnapshot:
-        return await self._engine.call(_take_snapshot, self._engine.engine.kv, self.epoch,
-                                       timeout_s=SNAPSHOT_TIMEOUT_S)
-
-
-def _take_snapshot(kv: KvCacheManager, epoch: str) -> convert.KvSnapshot:
-    """Engine thread: every cached block and the seq of the first event not reflected."""
-    return convert.KvSnapshot(epoch, kv.events.next_seq, tuple(kv.cached_blocks_by_tier()))
+        """Every cached block and the seq of the first event not reflected (taken between steps)."""
+        next_seq, blocks = await self._engine.kv_snapshot(SNAPSHOT_TIMEOUT_S)
+        return convert.KvSnapshot(self.epoch, next_seq, tuple(blocks))
 
 
 _STOPPING = object()

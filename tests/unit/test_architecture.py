@@ -7,8 +7,13 @@ at any depth): who may import whom, where torch may appear, and no import cycles
     common        nothing of ours outside common; models: only common, never torch
     kvcache       only common; transfer never engine, router or worker; engine never
                   transfer, router or worker
+    rpc           only common and kvcache (block keys) of ours, never torch: the wire, not a process
     rpc.gen       (generated stubs) only from rpc/: the one place that builds or unpacks
                   protobuf messages
+Relative imports count as the absolute ones they name. A folder is one concern: no folder of a
+single module (a module belongs with its neighbours), and its size is capped by how much of it
+others use (its surface), not its file count: helpers only its own modules import are part of
+the module they serve.
 """
 import ast
 from pathlib import Path
@@ -29,7 +34,11 @@ RULES = [  # (importer prefix, forbidden prefixes)
     ("pdserve.transfer", ("pdserve.engine", "pdserve.router", "pdserve.worker")),
     ("pdserve.engine", ("pdserve.transfer", "pdserve.router", "pdserve.worker", "pdserve.rpc")),
     ("pdserve.bench", ("torch", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.transfer")),
+    ("pdserve.rpc", ("torch", "pdserve.engine", "pdserve.worker", "pdserve.router", "pdserve.transfer",
+                     "pdserve.serve", "pdserve.bench", "pdserve.models")),
 ]
+MAX_SURFACE = 16  # a folder's modules that code outside it imports
+MAX_MODULES = 24  # a folder's modules in all
 
 
 def module_name(path: Path) -> str:
@@ -37,22 +46,29 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module `path` imports; `from a import b` counts as a.b when that is a module."""
+def imports_of(path: Path, importer: str | None = None) -> set[str]:
+    """Every module `path` (module `importer`) imports; `from a import b` counts as a.b when that
+    is a module, and a relative import as the absolute one it names."""
+    importer = importer or module_name(path)
+    package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names
-                         if f"{node.module}.{alias.name}" in MODULES)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([module] if module else []))
+            if module:
+                found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in MODULES)
     return found
 
 
 SOURCES = {module_name(p): p for p in PACKAGE.rglob("*.py") if "gen" not in p.relative_to(PACKAGE).parts[:2]}
 MODULES = set(SOURCES)
-GRAPH = {name: imports_of(path) for name, path in SOURCES.items()}
+GRAPH = {name: imports_of(path, name) for name, path in SOURCES.items()}
 
 
 def is_under(name: str, prefix: str) -> bool:
@@ -92,9 +108,35 @@ def test_no_import_cycles():
     assert cycles == []
 
 
-def test_no_package_folder_holds_more_than_sixteen_modules():
-    counts: dict[str, int] = {}
-    for path in SOURCES.values():
+def _folders() -> dict[str, set[str]]:
+    """Each package folder's modules (its __init__ aside), by the folder's path in the package."""
+    folders: dict[str, set[str]] = {}
+    for name, path in SOURCES.items():
         if path.name != "__init__.py":
-            counts[str(path.parent.relative_to(PACKAGE))] = counts.get(str(path.parent.relative_to(PACKAGE)), 0) + 1
-    assert {folder: n for folder, n in counts.items() if n > 16} == {}
+            folders.setdefault(str(path.parent.relative_to(PACKAGE)), set()).add(name)
+    return folders
+
+
+def surface(modules: set[str]) -> set[str]:
+    """The modules of a folder that code outside it imports."""
+    return {m for m in modules if any(m in GRAPH[other] for other in GRAPH if other not in modules
+                                      and not is_under(other, m))}
+
+
+def test_relative_imports_count_as_what_they_name(tmp_path):
+    folder = tmp_path / "pdserve" / "router"
+    folder.mkdir(parents=True)
+    (folder / "x.py").write_text("from ..engine import llm\nfrom . import backend\nfrom .routing.planner import P\n")
+    found = imports_of(folder / "x.py", "pdserve.router.x")
+    assert {"pdserve.engine", "pdserve.router", "pdserve.router.routing.planner"} <= found
+    assert "pdserve.router.backend" in found  # a module of ours, named in `from . import`
+
+
+def test_no_folder_is_a_single_module():
+    assert {folder: sorted(m) for folder, m in _folders().items() if len(m) == 1 and folder != "."} == {}
+
+
+def test_a_folders_size_is_capped_by_its_surface():
+    folders = _folders()
+    assert {folder: len(m) for folder, m in folders.items() if len(m) > MAX_MODULES} == {}
+    assert {folder: sorted(surface(m)) for folder, m in folders.items() if len(surface(m)) > MAX_SURFACE} == {}

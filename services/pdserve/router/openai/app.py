@@ -2,8 +2,8 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (every served
 name, and the LoRA adapters, each with its `parent`), `POST /v1/load_lora_adapter` and
-`/v1/unload_lora_adapter` (`lora/routes.py`), vLLM's `POST /tokenize`, `POST /detokenize` and
-`GET /version` (`tokenization/`), `GET /metrics`, `GET /openapi.json` (request bodies described
+`/v1/unload_lora_adapter` (`lora_routes.py`), vLLM's `POST /tokenize`, `POST /detokenize` and
+`GET /version` (`tokenization.py`), `GET /metrics`, `GET /openapi.json` (request bodies described
 from their models, `openapi.py`), and
 health: `GET /health/live` (liveness: 200 while the router answers HTTP), `GET /health/ready`
 (readiness: 200 while a decode-capable worker is in rotation, else 503 naming why) and `GET /health`
@@ -40,7 +40,7 @@ from pdserve.router.openai.chat import create_chat_completion
 from pdserve.router.openai.completions import create_completion
 from pdserve.router.openai.errors import ApiError, from_exception, install_error_handlers
 from pdserve.router.openai.logprobs import LogprobFormatter
-from pdserve.router.openai.lora.routes import LOAD_PATH, UNLOAD_PATH, add_lora_routes
+from pdserve.router.openai.lora_routes import LOAD_PATH, UNLOAD_PATH, add_lora_routes
 from pdserve.router.openai.metrics import RouterMetrics
 from pdserve.router.openai.openapi import describe_request_bodies, request_body
 from pdserve.router.openai.prompts import PromptTokenizer
@@ -49,7 +49,7 @@ from pdserve.router.openai.protocol import (ChatCompletionRequest, CompletionReq
 from pdserve.router.openai.responses import ModelCard, ModelList
 from pdserve.router.openai.serving import ApiLimits, ClientGone, ServingContext, new_response_id
 from pdserve.router.openai.structured.tools import ToolCallConfig
-from pdserve.router.openai.tokenization.routes import detokenize, pdserve_version, tokenize
+from pdserve.router.openai.tokenization import detokenize, pdserve_version, tokenize
 
 STATS_TIMEOUT_S = 5.0
 MAX_REQUEST_ID_CHARS = 256

@@ -7,7 +7,7 @@ import pytest
 from pdserve.common.stats import ModelInfo, WorkerRole
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.router.openai.app import create_app
-from pdserve.router.openai.tokenization.routes import pdserve_version
+from pdserve.router.openai.tokenization import pdserve_version
 
 MAX_MODEL_LEN = 64
 

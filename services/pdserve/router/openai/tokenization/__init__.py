@@ -1,1 +1,0 @@
-"""vLLM's routes around the generation API: `/tokenize`, `/detokenize`, `/version` (`routes`)."""

@@ -18,12 +18,10 @@ corrupt one is a miss, deleted, and counted — never KV the claim promises.
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from pdserve.common.errors import (DuplicateRequestError, InvalidRequestError, OutOfBlocksError,
                                    UnknownRequestError)
 from pdserve.common.ids import BlockHash, BlockId, RequestId
-from pdserve.common.request import DEFAULT_RETENTION_PRIORITY
 from pdserve.kvcache.block import KvBlock, Tier
 from pdserve.kvcache.config import KvCacheConfig
 from pdserve.kvcache.events import EventBuffer, KvEvent
@@ -31,49 +29,10 @@ from pdserve.kvcache.lower_tier import LowerTier, TierMove
 from pdserve.kvcache.tiers import LowerTiers
 from pdserve.kvcache.integrity import IntegrityError, check_pool_integrity
 from pdserve.kvcache.pool import BlockPool
+from pdserve.kvcache.claims import ClaimedSequence, ClaimResult, PrefixAnalysis
 from pdserve.kvcache.request import CacheRequest
 
 __all__ = ["ClaimResult", "IntegrityError", "KvCacheManager", "PrefixAnalysis"]
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixAnalysis:
-    """Everything the scheduler needs about one pending request, from one walk of the cache."""
-
-    num_cached_blocks: int
-    num_cached_tokens: int
-    num_cached_by_tier: tuple[int, ...]  # indexed by Tier
-    num_onboard_blocks: int  # cached blocks in a lower tier: each needs a device block and a copy
-    num_new_blocks: int  # blocks the claim must still allocate (onboarded ones included)
-    num_available_blocks: int  # free or evictable, not counting this request's matches
-    fits: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimResult:
-    request_id: RequestId
-    block_ids: tuple[BlockId, ...]
-    num_cached_tokens: int
-
-
-@dataclass(slots=True)
-class _Sequence:
-    """A claimed sequence. Its tokens and block digests are its request's (`token_ids`,
-    `hash_chain`): the list its owner keeps, never a copy, so each is held and hashed once."""
-    request: CacheRequest
-    blocks: list[KvBlock]
-    num_computed_tokens: int
-    num_published: int = 0  # blocks [0, num_published) are settled in the cache (or never will be)
-    num_claimed_tokens: int = 0  # the tokens it was claimed with; blocks past them hold generated ones
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.token_ids  # a list: `_admit` makes it one
-
-    @property
-    def hashes(self) -> list[BlockHash]:
-        """The digests of the full blocks hashed so far (see `_extend_hashes`)."""
-        return self.request.hash_chain.hashes
 
 
 class KvCacheManager:
@@ -97,7 +56,7 @@ class KvCacheManager:
         self.pool = BlockPool(num_blocks, self.events, config.eviction_policy == "priority", clock, self.host, self.disk)
         self.tiers = LowerTiers(self.pool, self.events, config.tokens_per_block, disk_verifier)
         self._clock = clock
-        self._seqs: dict[RequestId, _Sequence] = {}
+        self._seqs: dict[RequestId, ClaimedSequence] = {}
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
 
@@ -225,7 +184,7 @@ class KvCacheManager:
         num_cached = len(matched) * self.tokens_per_block
         if not isinstance(request.token_ids, list):
             request.token_ids = list(request.token_ids)  # `append_tokens` extends it
-        seq = _Sequence(request, matched + new_blocks, num_cached, len(matched), len(request.token_ids))
+        seq = ClaimedSequence(request, matched + new_blocks, num_cached, len(matched), len(request.token_ids))
         self._seqs[request.request_id] = seq
         self.num_query_tokens += len(request.token_ids)
         self.num_hit_tokens += num_cached
@@ -298,7 +257,7 @@ class KvCacheManager:
         blocks = shared + ([copy_block] if copy_block else [])
         if not isinstance(child.token_ids, list):
             child.token_ids = list(child.token_ids)
-        seq = _Sequence(child, blocks, parent.num_computed_tokens, min(parent.num_published, num_full),
+        seq = ClaimedSequence(child, blocks, parent.num_computed_tokens, min(parent.num_published, num_full),
                         parent.num_claimed_tokens)
         self._seqs[new_request_id] = seq
         copy = (parent.blocks[num_full].block_id, copy_block.block_id) if copy_block else None
@@ -321,7 +280,7 @@ class KvCacheManager:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _get(self, request_id: RequestId) -> _Sequence:
+    def _get(self, request_id: RequestId) -> ClaimedSequence:
         seq = self._seqs.get(request_id)
         if seq is None:
             raise UnknownRequestError(f"unknown request {request_id!r}")
@@ -361,7 +320,7 @@ class KvCacheManager:
     def _expiry(self, duration_s: float | None) -> float | None:
         return None if duration_s is None else self._clock() + duration_s
 
-    def _publish_full_blocks(self, seq: _Sequence) -> None:
+    def _publish_full_blocks(self, seq: ClaimedSequence) -> None:
         num_full = seq.num_computed_tokens // self.tokens_per_block
         if not self.config.enable_block_reuse:
             seq.num_published = max(seq.num_published, num_full)
@@ -371,7 +330,7 @@ class KvCacheManager:
             self._publish_block(seq, i)
         seq.num_published = max(seq.num_published, num_full)
 
-    def _publish_block(self, seq: _Sequence, i: int) -> None:
+    def _publish_block(self, seq: ClaimedSequence, i: int) -> None:
         block = seq.blocks[i]
         if block.block_hash is not None:
             return
@@ -382,19 +341,9 @@ class KvCacheManager:
             self.pool.unref(block)
             return
         parent = seq.blocks[i - 1] if i > 0 else None  # cached: blocks are published in order
-        priority, expires_at = self._block_priority(seq, i)
-        self.pool.publish(block, seq.hashes[i], parent, priority, expires_at, seq.request.lora_id)
+        priority, duration_s = seq.block_priority(i, self.tokens_per_block)
+        self.pool.publish(block, seq.hashes[i], parent, priority, self._expiry(duration_s), seq.request.lora_id)
 
-    def _block_priority(self, seq: _Sequence, i: int) -> tuple[int, float | None]:
-        begin = i * self.tokens_per_block
-        request = seq.request
-        if begin < seq.num_claimed_tokens:
-            explicit = request.block_priority(begin, begin + self.tokens_per_block)
-            if explicit is not None:
-                return explicit[0], self._expiry(explicit[1])
-            return DEFAULT_RETENTION_PRIORITY, None
-        return request.decode_priority, self._expiry(request.decode_duration_s)
-
-    def _extend_hashes(self, seq: _Sequence, num_full: int) -> None:
+    def _extend_hashes(self, seq: ClaimedSequence, num_full: int) -> None:
         if len(seq.hashes) < num_full:
             seq.request.block_hashes(self.tokens_per_block)  # the chain hashes the blocks it lacks

@@ -1,20 +1,16 @@
 """`ThreadedEngine`: the `AsyncEngine` a worker serves, driving `LLMEngine` from its own thread.
 
-The step loop runs in one dedicated thread (torch releases the GIL in its kernels, so the
-gRPC event loop stays responsive). Requests, aborts and calls reach it through one inbox of
-typed commands, handled in order between steps (a decode worker's admission decides local or
-remote prefill and reserves in one of them); outputs go back to each request's asyncio queue
-with `call_soon_threadsafe`. The loop also wakes when idle (`idle_wait_s`), so periodic duties
-run every step even when no work arrives. Before each step it sizes its torch threads by the
-cores its idle peers leave (`core_share.py`; fixed without one); while it waits for a peer to
-give a core back it takes calls and aborts (a remote prefill's first token goes out), in order
-up to the first admission: admissions wait for the step, as they always did.
+The step loop runs in one thread (torch releases the GIL in its kernels, so the event loop
+stays responsive). Requests, aborts and queries reach it through one inbox of typed commands,
+taken in order between steps (`engine_inbox.py`); outputs go back to each request's asyncio
+queue with `call_soon_threadsafe`. It also wakes when idle (`idle_wait_s`) for its periodic
+duties. Before each step it sizes its torch threads by the cores its idle peers leave
+(`core_share.py`); while it waits for a core it takes queries and aborts, up to the first admission.
 
-A worker builds its engine on the loop's own thread (`ThreadedEngine.built_on_loop_thread`):
-OpenMP keeps one pool of threads per thread that opens parallel regions, and with a second
-pool (the weights loaded on the asyncio thread, the steps run on this one) libgomp counts more
-threads than cores and all but stops spinning at its barriers, so each of a step's ~250
-parallel regions waits for a woken thread: a batch-1 step took 1.6x as long.
+A worker builds its engine on the loop's own thread (`built_on_loop_thread`): OpenMP keeps a
+thread pool per thread that opens parallel regions, and with two (weights loaded on the asyncio
+thread, steps run here) libgomp counts more threads than cores and all but stops spinning at its
+barriers: each of a step's ~250 parallel regions waits for a woken thread (batch-1 step: 1.6x).
 """
 import asyncio
 import concurrent.futures

@@ -7,7 +7,8 @@ stops every process it started when the `with` block ends (router first, SIGINT,
 The internal plane is mutual TLS, as users run it: the stack makes an authority and gives each
 process a certificate of its name (a worker's name is its worker id) in its role (a worker's
 `--role`); its readiness checks hold a probe's certificate; `insecure=True` runs it in plain
-text instead (`--insecure-internal`), for measuring what TLS costs.
+text instead (`--insecure-internal`), for measuring what TLS costs. `env` is the processes'
+environment (serving_overhead.py: another checkout's `services` first on PYTHONPATH).
 Also builds the random-weight 160M Llama checkpoint (`--random-160m`).
 """
 import contextlib
@@ -99,8 +100,9 @@ class ServingStack:
     the workers it calls must be started by the same stack (a router of another stack fails
     their TLS handshakes)."""
 
-    def __init__(self, log_dir: Path, insecure: bool = False) -> None:
+    def __init__(self, log_dir: Path, insecure: bool = False, env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
+        self._env = env  # every process's environment; None: this process's
         self._running: dict[int, tuple[subprocess.Popen, IO[bytes]]] = {}  # by pid, in start order
         self._authority = None if insecure else pki.Authority.create("pdserve benchmark")
         self._probe_tls = self._tls_flags("probe", pki.Role.PROBE, "probe")[1] if self._authority else None
@@ -140,7 +142,7 @@ class ServingStack:
     def _start(self, name: str, kind: str, flags: list[str], address: str, is_ready) -> Started:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the process writes it until stopped
         started_at = time.perf_counter()
-        process = subprocess.Popen([*COMMAND, kind, *flags], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*COMMAND, kind, *flags], stdout=log, stderr=subprocess.STDOUT, env=self._env)
         self._running[process.pid] = (process, log)
         deadline = started_at + READY_TIMEOUT_S
         while not is_ready():

@@ -185,6 +185,22 @@ def _abuse(report: dict) -> None:
     assert set(report["targets"]) == set(cases)
 
 
+def _serving_overhead(report: dict) -> None:
+    # HEAD in a worktree against this tree: both trees' processes ran under the stub forward
+    assert set(report["config"]["trees"]) == {"before", "after"}
+    assert rows_of(report, "tree", "streams", "failed") == [("before", 1, 0), ("before", 4, 0), ("after", 1, 0),
+                                                            ("after", 4, 0)]
+    assert all(row["output_tokens"] == row["expected_tokens"] for row in report["results"])  # ignore_eos: all of them
+    figures = {"router_cpu_s_per_1k_tokens", "worker_both_cpu_s_per_1k_tokens", "total_cpu_s_per_1k_tokens",
+               "tokens_per_s", "itl_p50_ms", "itl_p99_ms"}
+    assert [(s["tree"], s["streams"]) for s in report["summary"]] == [("before", 1), ("after", 1), ("before", 4),
+                                                                      ("after", 4)]
+    assert all(figures <= s.keys() for s in report["summary"])
+    assert {"total_cpu_s_per_1k_tokens @4: after / before", "itl_p99_ms @4: after / before"} <= report["ratios"].keys()
+    assert set(report["targets"]) == {"total_cpu_after_over_before_at_4", "itl_p99_after_over_before_at_4"}
+    assert {"cpu", "isa"} <= report["machine"].keys()
+
+
 SMALL_SERVING = ("--model", "{model}", "--num-prompts", "2", "--input-len", "32", "--output-len", "4",
                  "--prefix-len", "16", "--max-concurrency", "2", "--num-warmups", "0", "--kv-cache-memory", "64MiB")
 SMALL_MODEL = ("--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "256",
@@ -211,6 +227,9 @@ RUNS: dict[str, ScriptRun] = {
     "routing.py": ScriptRun(("--model", "{model}", "--prefill", "1", "--decode", "1", "--num-system-prompts", "1",
                              "--num-users", "2", "--turns", "2", "--system-len", "64", "--user-len", "16",
                              "--reply-len", "8", "--output-len", "4", "--max-kv-tokens", "4096"), _routing),
+    "serving_overhead.py": ScriptRun(("--model", "{model}", "--before", "HEAD", "--streams", "1,4", "--prompt-len",
+                                      "16", "--max-tokens", "8", "--min-tokens", "64", "--repeats", "1"),
+                                     _serving_overhead),
     "serve_throughput.py": ScriptRun((*SMALL_SERVING, "--compare-url", "{other}"), _serve_throughput),
     "disagg_vs_agg.py": ScriptRun((*SMALL_SERVING, "--only", "agg-1", "--only", "disagg"), _disagg_vs_agg),
     "decode_bandwidth.py": ScriptRun(("--model", "{model}", "--context", "16", "--steps", "4", "--serve-prompts", "1",

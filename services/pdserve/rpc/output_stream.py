@@ -182,8 +182,8 @@ class OutputDemux:
         timeout_s: float | None = None  # until the call has ended
         try:
             while len(finished) < num_completions:
-                try:
-                    item = await asyncio.wait_for(queue.get(), timeout_s)
+                try:  # no wait_for until the call has ended: it costs a task switch per output
+                    item = await (queue.get() if timeout_s is None else asyncio.wait_for(queue.get(), timeout_s))
                 except TimeoutError:
                     raise WorkerUnavailableError(self.address, "a request's last outputs never came") from None
                 if isinstance(item, RequestOutput):

@@ -115,3 +115,33 @@ def test_consumer_leaving_early_closes_every_stream() -> None:
 
     asyncio.run(take_one())
     assert sorted(backend.closed) == ["a", "b"]
+
+
+@pytest.mark.parametrize("prompts", [["a"], ["a", "b"]])  # one prompt: no task between; more: one each
+def test_the_consumers_time_is_not_a_wait_and_a_silence_after_it_still_times_out(prompts: list[str]) -> None:
+    backend = ScriptedBackend({rid: [out(rid, 0, "x"), None] for rid in prompts})
+
+    async def scenario() -> tuple[list[str], Exception]:
+        seen = []
+        with pytest.raises(TimeoutError) as timed_out:
+            async for _, output in run_streams(backend, [request(rid) for rid in prompts], QUICK):  # type: ignore[arg-type]
+                seen.append(output.text)
+                await asyncio.sleep(0.5)  # a slow client: 2.5 times the output bound, not counted
+        return seen, timed_out.value
+
+    seen, error = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert seen == ["x"] * len(prompts) and "within 0.2 s" in str(error)
+    assert sorted(backend.closed) == prompts
+
+
+def test_a_cancelled_consumer_is_cancelled_not_timed_out() -> None:
+    backend = ScriptedBackend({"a": [None]})
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(anext(run_streams(backend, [request("a")], StreamTimeouts(60.0, 60.0))))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))

@@ -96,10 +96,12 @@ def wheels(cache: Path) -> Path:
     install compiled in build/ up to date instead of compiling them again."""
     if sys.version_info[:2] != (3, 11):
         raise DockerUnavailable("the image's Python is 3.11; the wheels must be built by a Python 3.11")
-    key = digest(ROOT / "pyproject.toml", ROOT / "setup.py", ROOT / "constraints.txt", ROOT / "services")
+    key = digest(ROOT / "pyproject.toml", ROOT / "setup.py", ROOT / "constraints.txt", ROOT / "services", Path(__file__))
     target = cache / f"wheels-{key}"
     if not (target / ".complete").exists():
         shutil.rmtree(target, ignore_errors=True)
+        for copy in ROOT.glob("build/lib*/pdserve/**/*.py"):  # copied afresh: a module since moved or
+            copy.unlink()  # removed would linger in the wheel (and a stale package shadows a module)
         pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
         subprocess.run([*pip, "wheel", "-q", "--no-build-isolation", "-w", str(target), "-c",
                         str(ROOT / "constraints.txt"), f"{ROOT}[bench]", "torch==2.13.0"],

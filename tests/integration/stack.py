@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.common.ports import free_ports
+from pdserve.serve.tether import set_parent_death_signal
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
 START_TIMEOUT_S = 120.0
@@ -108,9 +109,15 @@ def plain_text(args: Sequence[str]) -> list[str]:
     return [*args, "--insecure-internal"] if is_internal and "--tls-dir" not in args else list(args)
 
 
+def _dies_with_the_tests() -> None:
+    """In the child before it runs: SIGTERM when the test process dies, killed without its teardown."""
+    set_parent_death_signal(signal.SIGTERM)
+
+
 def start(args: Sequence[str], log_path: Path | None = None) -> subprocess.Popen:
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
-    return subprocess.Popen([PDSERVE, *plain_text(args)], stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen([PDSERVE, *plain_text(args)], stdout=out, stderr=subprocess.STDOUT,
+                            preexec_fn=_dies_with_the_tests)
 
 
 def start_serve(directory: Path, args: Sequence[str], timeout_s: float = 180.0) -> tuple[subprocess.Popen, list[str]]:
@@ -120,7 +127,7 @@ def start_serve(directory: Path, args: Sequence[str], timeout_s: float = 180.0) 
     directory.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "pdserve.cli", "serve", *args]
     with open(directory / "serve.out", "wb") as out, open(directory / "serve.err", "wb") as err:
-        process = subprocess.Popen(argv, stdout=out, stderr=err)
+        process = subprocess.Popen(argv, stdout=out, stderr=err, preexec_fn=_dies_with_the_tests)
     deadline = time.monotonic() + timeout_s
     while b"pdserve is ready" not in (directory / "serve.out").read_bytes():
         if process.poll() is not None or time.monotonic() > deadline:

@@ -1,5 +1,6 @@
 """What the worker's gRPC service needs from the engine it serves."""
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from typing import Protocol
 
 from pdserve.common.errors import PdserveError
@@ -35,6 +36,14 @@ class AsyncEngine(Protocol):
     def info(self) -> ModelInfo: ...
 
     async def check_integrity(self) -> KvIntegrity: ...
+
+
+# Where the caller of `generate` puts a request's outputs, when it only forwards them (the Worker
+# service onto a router's output stream): set in the caller's context, the engine may hand it
+# the outputs after the first that finish nothing, in order, instead of yielding them through
+# every layer between; it yields the rest. The sink returns False for an output it cannot take
+# (its stream closed): that one is yielded, so the caller fails and aborts as it would.
+OUTPUT_SINK: ContextVar[Callable[[RequestOutput], bool] | None] = ContextVar("output_sink", default=None)
 
 
 def not_serving_reason(engine: AsyncEngine) -> str | None:

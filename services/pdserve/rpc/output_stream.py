@@ -55,6 +55,13 @@ class OutputQueue:
         self._ready.append(output)
         self._wake.set()
 
+    def offer(self, output: RequestOutput) -> bool:
+        """`put`, False instead of an error once the stream has closed (an `OUTPUT_SINK`)."""
+        if self.is_closed:
+            return False
+        self.put(output)
+        return True
+
     def close(self) -> None:
         self.is_closed = True
         self._wake.set()

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import grpc
 
-from pdserve.common.engine_api import AsyncEngine, not_serving_reason
+from pdserve.common.engine_api import OUTPUT_SINK, AsyncEngine, not_serving_reason
 from pdserve.common.errors import (
     DuplicateRequestError,
     EngineWedgedError,
@@ -88,11 +88,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _stream_to(self, request: GenerationRequest, prefill_worker: str | None,
                          prefill_worker_id: WorkerId | None, queue: OutputQueue) -> None:
-        """The outputs onto the caller's StreamOutputs call (`queue`); none on this call."""
-        with self.output_streams.putting():
-            async with aclosing(self._engine.generate(request, prefill_worker, prefill_worker_id)) as outputs:
-                async for output in outputs:
-                    queue.put(output)  # WorkerUnavailableError once the stream closed: aborted below
+        """The outputs onto the caller's StreamOutputs call (`queue`); none on this call. The
+        engine may put most of them there itself (`OUTPUT_SINK`): they need nothing on the way."""
+        sink = OUTPUT_SINK.set(queue.offer)
+        try:
+            with self.output_streams.putting():
+                async with aclosing(self._engine.generate(request, prefill_worker, prefill_worker_id)) as outputs:
+                    async for output in outputs:
+                        queue.put(output)  # WorkerUnavailableError once the stream closed: aborted below
+        finally:
+            OUTPUT_SINK.reset(sink)
 
     async def StreamOutputs(self, request: wpb.StreamOutputsRequest, context: grpc.aio.ServicerContext) -> None:
         if not request.stream_id:

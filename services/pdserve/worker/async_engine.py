@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
+from pdserve.common.engine_api import OUTPUT_SINK
 from pdserve.common.errors import WorkerTimeoutError
 from pdserve.common.ids import BlockHash, RequestId, WorkerId
 from pdserve.common.request import GenerationRequest, RequestOutput
@@ -133,22 +134,22 @@ class ThreadedEngine:
         admitted = loop.create_future()
         self._send(Admit(request, stream, admitted, prefill_only, hold_lease_s, time.monotonic(), start_by))
         await self._until_admitted(request.request_id, admitted)
-        async for output in self.outputs(request, stream.outputs):
+        async for output in self.outputs(request, stream):
             yield output
 
     async def admit_for_decode(self, request: GenerationRequest, remote_possible: bool, min_remote_tokens: int,
-                               lease_s: float) -> tuple[DecodeVerdict, asyncio.Queue]:
+                               lease_s: float) -> tuple[DecodeVerdict, Stream]:
         """Decode side, one hop to the engine thread: blocks reserved for a remote prefill when
         `remote_possible` and at least `min_remote_tokens` of the prompt are not cached here
         and blocks are free; else the request is queued for a local prefill. The queue gets
-        the request's outputs either way (read it with `outputs`)."""
+        the request's outputs either way (read them with `outputs`)."""
         await self.prepare_guide(request)
         loop = asyncio.get_running_loop()
         stream = Stream(loop, asyncio.Queue(), request.sampling.n)
         verdict = loop.create_future()
         self._send(AdmitForDecode(request, stream, verdict, remote_possible, min_remote_tokens, lease_s,
                                    time.monotonic()))
-        return await self._until_admitted(request.request_id, verdict), stream.outputs
+        return await self._until_admitted(request.request_id, verdict), stream
 
     async def prepare_guide(self, request: GenerationRequest) -> None:
         """Compile the request's guide on a thread of its own, before the engine thread admits
@@ -157,13 +158,16 @@ class ThreadedEngine:
             guide, engine = request.sampling.guide, self._engine
             await asyncio.to_thread(lambda: engine.guide_compiler().prepare(guide))  # the first builds the compiler
 
-    async def outputs(self, request: GenerationRequest, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, request: GenerationRequest, stream: Stream) -> AsyncIterator[RequestOutput]:
         """The admitted request's outputs until each completion has finished; a consumer that
-        stops early aborts the request."""
+        stops early aborts the request. With an `OUTPUT_SINK` in the caller's context, the
+        outputs after the first that finish nothing go there instead (`_put_all`)."""
         finished: set[int] = set()
+        sink = OUTPUT_SINK.get()
         try:
             while len(finished) < request.sampling.n:
-                output = await queue.get()
+                output = await stream.outputs.get()
+                stream.direct = sink  # from the second on: the first is the reader's
                 if output.is_finished:
                     finished.add(output.index)
                 yield output
@@ -310,12 +314,12 @@ class ThreadedEngine:
         """Hand a step's outputs to their streams: one wake-up of each event loop for all of
         them (a wake-up is a write to the loop's pipe; one per output cost 1.6 % of the engine
         thread at 64 streams)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            by_loop.setdefault(stream.loop, []).append((stream.outputs, output))
+            by_loop.setdefault(stream.loop, []).append((stream, output))
             stream.num_finished += output.is_finished
             if stream.num_finished >= stream.num_completions:
                 del self._streams[output.request_id]
@@ -335,9 +339,12 @@ class ThreadedEngine:
                 listener(stats)
 
 
-def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for outputs, output in deliveries:
-        outputs.put_nowait(output)
+def _put_all(deliveries: list[tuple[Stream, RequestOutput]]) -> None:
+    """On the request's loop: each output to its reader, or straight to its sink (in order: only
+    while the reader has taken all before it, and never one that finishes a completion)."""
+    for stream, output in deliveries:
+        if stream.direct is None or output.is_finished or not stream.outputs.empty() or not stream.direct(output):
+            stream.outputs.put_nowait(output)
 
 
 def _set_value(future: asyncio.Future, value: object) -> None:

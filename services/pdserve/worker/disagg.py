@@ -89,7 +89,7 @@ class DecodeEngine:
         deadline = start_by + config.transfer_timeout_s
         lease_s = deadline - time.time() + config.lease_grace_s  # it starts later, at the reservation
         try:
-            verdict, queue = await self._engine.admit_for_decode(request, peer is not None,
+            verdict, stream = await self._engine.admit_for_decode(request, peer is not None,
                                                                  config.min_remote_prefill_tokens, lease_s)
         except BaseException:
             self._unqueue(peer and peer.address)
@@ -112,7 +112,7 @@ class DecodeEngine:
                 await asyncio.shield(self._engine.abort(request.request_id))
                 raise
         is_first = True
-        async for output in self._engine.outputs(request, queue):
+        async for output in self._engine.outputs(request, stream):
             yield replace(output, prefilled_by=prefilled_by) if is_first else output
             is_first = False
 

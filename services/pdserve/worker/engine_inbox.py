@@ -7,20 +7,23 @@ commands keep their order, and requests admitted meanwhile join the step they al
 import asyncio
 import enum
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common.ids import RequestId
-from pdserve.common.request import GenerationRequest
+from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.kvcache import ClaimResult
 
 
 @dataclass(slots=True)
 class Stream:
-    """Where a request's outputs go: a queue on its caller's event loop."""
+    """Where a request's outputs go: a queue on its caller's event loop, or, once its reader has
+    taken the first, `direct` (see `common.engine_api.OUTPUT_SINK`; set and read on that loop)."""
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     num_completions: int
     num_finished: int = 0
+    direct: Callable[[RequestOutput], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,10 +5,13 @@ import time
 
 import pytest
 
+from pdserve.common.engine_api import OUTPUT_SINK
 from pdserve.common.errors import DuplicateRequestError, InvalidRequestError
 from pdserve.common.ids import RequestId
 from pdserve.common.stats import ModelInfo, WorkerRole
-from pdserve.worker.async_engine import ThreadedEngine
+from pdserve.common.request import RequestOutput
+from pdserve.worker.async_engine import ThreadedEngine, _put_all
+from pdserve.worker.engine_inbox import Stream
 from tests.unit.engine.test_llm_engine import make_engine, reference, request
 
 INFO = ModelInfo("toy", 128, 4, "sha256-v1", WorkerRole.BOTH, 97, (0,))
@@ -80,10 +83,10 @@ def test_abandoning_the_stream_aborts_and_frees_blocks(threaded):
 def test_admission_for_decode_reserves_in_one_hop_and_a_failed_transfer_recomputes(threaded):
     async def main():
         req = request("r", [5, 6, 7])
-        verdict, queue = await threaded.admit_for_decode(req, remote_possible=True, min_remote_tokens=1, lease_s=5.0)
+        verdict, stream = await threaded.admit_for_decode(req, remote_possible=True, min_remote_tokens=1, lease_s=5.0)
         assert verdict.local_reason is None and verdict.claim.num_cached_tokens == 0
         await threaded.fail_remote(RequestId("r"), recompute=True, reason="x")
-        return [t async for out in threaded.outputs(req, queue) for t in out.token_ids]
+        return [t async for out in threaded.outputs(req, stream) for t in out.token_ids]
 
     assert asyncio.run(main()) == reference([5, 6, 7], 8)
 
@@ -91,9 +94,9 @@ def test_admission_for_decode_reserves_in_one_hop_and_a_failed_transfer_recomput
 def test_admission_for_decode_prefills_locally_when_few_tokens_are_missing(threaded):
     async def main():
         req = request("r", [5, 6, 7])
-        verdict, queue = await threaded.admit_for_decode(req, remote_possible=True, min_remote_tokens=4, lease_s=5.0)
+        verdict, stream = await threaded.admit_for_decode(req, remote_possible=True, min_remote_tokens=4, lease_s=5.0)
         assert verdict.claim is None and verdict.local_reason == "few_missing_tokens"
-        return [t async for out in threaded.outputs(req, queue) for t in out.token_ids]
+        return [t async for out in threaded.outputs(req, stream) for t in out.token_ids]
 
     assert asyncio.run(main()) == reference([5, 6, 7], 8)
 
@@ -248,3 +251,45 @@ def test_an_admission_while_a_step_waits_for_a_core_waits_for_the_step_and_keeps
 
     (tokens_r, _), (tokens_q, _), answer = _with_cores_held(scenario)
     assert (tokens_r, tokens_q, answer) == (reference([5, 6, 7], 8), reference([8, 9], 8), None)
+
+
+@pytest.mark.parametrize("takes", [True, False])  # False: a sink whose stream closed takes nothing
+def test_with_an_output_sink_every_output_arrives_once_in_order(threaded, takes):
+    """The Worker service forwards most outputs as they come: the engine may put them on its
+    sink straight from the hand-off; the first and each completion's last are yielded, and so is
+    any the sink refuses, so that the caller fails as it would."""
+    prompts = {f"r{i}": p for i, p in enumerate([[5, 6, 7], list(range(10, 31)), [40] * 9])}
+
+    async def one(rid: str) -> list[tuple[str, object]]:
+        seen = []  # (how, output) in the order they reached the caller
+        OUTPUT_SINK.set(lambda output: seen.append(("sunk", output)) or takes)  # this task's context only
+        async for output in threaded.generate(request(rid, prompts[rid], max_tokens=12, ignore_eos=True)):
+            seen.append(("yielded", output))
+        return [(how, o) for how, o in seen if takes or how == "yielded"]
+
+    async def main():
+        return await asyncio.gather(*(one(rid) for rid in prompts))
+
+    for seen, prompt in zip(asyncio.run(main()), prompts.values()):
+        assert [t for _, o in seen for t in o.token_ids] == reference(prompt, 12, eos=None)
+        assert seen[0][0] == seen[-1][0] == "yielded" and seen[-1][1].finish_reason == "length"
+    assert threaded.engine.kv.num_used_blocks == 0
+
+
+def _stream(direct) -> Stream:
+    return Stream(asyncio.get_running_loop(), asyncio.Queue(), 1, direct=direct)
+
+
+def test_the_hand_off_uses_the_sink_only_while_the_reader_has_taken_all_and_never_for_a_last_output():
+    async def main():
+        sunk = []
+        taking, refusing = _stream(lambda o: sunk.append(o.text) or True), _stream(lambda o: False)
+        behind, unset = _stream(lambda o: sunk.append(o.text) or True), _stream(None)
+        behind.outputs.put_nowait("an output the reader has not taken")
+        middle = RequestOutput(RequestId("r"), 0, (1,), "middle")
+        last = RequestOutput(RequestId("r"), 0, (2,), "last", finish_reason="stop")
+        _put_all([(taking, middle), (taking, last), (refusing, middle), (behind, middle), (unset, middle)])
+        return sunk, [s.outputs.qsize() for s in (taking, refusing, behind, unset)]
+
+    sunk, queued = asyncio.run(main())
+    assert sunk == ["middle"] and queued == [1, 1, 2, 1]

@@ -19,6 +19,7 @@ from collections.abc import Collection
 from prometheus_client import Gauge
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.router.openai.deadline import Deadline
 from pdserve.router.openai.errors import ApiError, overloaded
 
 DRAIN_BYTES = 64 << 20  # of a body over the limit, read and dropped so the 413 is read, not reset
@@ -62,12 +63,14 @@ class PendingLimit:
             return
         self.num_pending += 1
         self._in_progress.inc()
+        timed = _TimedSend(send, self._send_timeout_s)
         try:
-            await self._app(scope, _replay(body, receive), self._timed(send))
+            await self._app(scope, _replay(body, receive), timed)
         except _ClientStalled:
             _log.info("a client read nothing of its answer for %g s; cut off and its request aborted",
                       self._send_timeout_s)
         finally:
+            timed.close()
             self.num_pending -= 1
             self._in_progress.dec()
 
@@ -88,14 +91,30 @@ class PendingLimit:
             return ApiError(413, f"request body exceeds {self._max_body_bytes} bytes")
         return b"".join(chunks)
 
-    def _timed(self, send: Send) -> Send:
-        async def timed_send(message: Message) -> None:
-            try:
-                async with asyncio.timeout(self._send_timeout_s):  # in this task: send stays the server's
-                    await send(message)
-            except TimeoutError:
+class _TimedSend:
+    """The server's `send`, each call bounded by `timeout_s` (_ClientStalled past it), run in
+    the caller's task as the server's own is."""
+
+    def __init__(self, send: Send, timeout_s: float) -> None:
+        self._send = send
+        self._timeout_s = timeout_s
+        self._deadline: Deadline | None = None  # made at the first send, on the server's loop
+
+    async def __call__(self, message: Message) -> None:
+        deadline = self._deadline = self._deadline or Deadline()
+        deadline.start(self._timeout_s)
+        try:
+            await self._send(message)
+        except asyncio.CancelledError:
+            if deadline.has_expired():
                 raise _ClientStalled from None
-        return timed_send
+            raise
+        finally:
+            deadline.pause()
+
+    def close(self) -> None:
+        if self._deadline is not None:
+            self._deadline.close()
 
 
 class _Disconnected(Exception):

@@ -2,9 +2,9 @@
 
 Python imports `sitecustomize` at start; this one adds an import hook that, once
 `pdserve.engine.model.runner` is imported, replaces `ModelRunner.forward` with one that returns
-fixed logits: every logit row is 0 but for `PDSERVE_STUB_TOKEN_ID` (10), so greedy decoding
-picks that token at every step and the worker's cost is all serving (scheduling, KV
-bookkeeping, sampling, detokenizing, the RPCs), none of it the model. A row per chunk as the
+fixed logits (made once per row count): every logit row is 0 but for `PDSERVE_STUB_TOKEN_ID`
+(10.0 there), so greedy decoding picks that token at every step and the worker's cost is all
+serving (scheduling, KV bookkeeping, sampling, detokenizing, the RPCs), none of it the model. A row per chunk as the
 runner gives them: one for `needs_logits`, one per token for `all_logits`, none otherwise.
 
 Nothing of the package is changed: `benchmarks/serving_overhead.py` puts this folder on its
@@ -26,12 +26,17 @@ def _install(runner) -> None:
 
     token_id = int(os.environ.get("PDSERVE_STUB_TOKEN_ID", "0"))
 
+    made: dict[int, torch.Tensor] = {}  # the logits of R rows, made once: the stub costs no CPU per step
+
     @torch.inference_mode()
     def forward(self, batch):
         counts = [len(c.token_ids) if c.all_logits else int(c.needs_logits) for c in batch.chunks]
-        logits = torch.zeros(sum(counts), self.config.vocab_size, dtype=torch.float32, device=self.device)  # (R, vocab)
-        logits[:, token_id] = 10.0
-        return runner.ForwardOutput(list(torch.split(logits, counts)))
+        num_rows = sum(counts)
+        if num_rows not in made:
+            logits = torch.zeros(num_rows, self.config.vocab_size, dtype=torch.float32, device=self.device)  # (R, vocab)
+            logits[:, token_id] = 10.0
+            made[num_rows] = logits
+        return runner.ForwardOutput(list(torch.split(made[num_rows], counts)))
 
     runner.ModelRunner.forward = forward
     print(f"{STUB_LINE} {runner.__file__} (token {token_id})", file=sys.stderr, flush=True)

@@ -186,3 +186,14 @@ def test_logit_rows_of_a_step_are_batched_as_a_view_when_consecutive_else_copied
     for picked in (prompt_rows, siblings, [rows[1], rows[0]]):
         copied = logit_batch(picked)
         assert torch.equal(copied, torch.stack(picked)) and copied.data_ptr() != logits.data_ptr()
+
+
+def test_argmax_rows_is_torchs_argmax_ties_nans_infinities_and_views_included():
+    from pdserve.engine.model.sampler import argmax_rows
+    scores = torch.tensor([[1.0, float("nan"), 3.0], [float("-inf")] * 3, [2.0, 5.0, 5.0],
+                           [float("nan"), 1.0, float("nan")], [0.0, 0.0, 0.0]])
+    assert argmax_rows(scores).tolist() == scores.argmax(dim=-1).tolist() == [1, 0, 1, 0, 0]
+    wide = torch.randn(7, 4099)
+    for view in (wide, wide[torch.tensor([0, 3, 6])], wide[:, 5:], wide.t().contiguous().t()):
+        assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
+    assert argmax_rows(wide).dtype == torch.int64

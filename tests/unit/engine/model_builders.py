@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 from pdserve.common.ids import RequestId
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
@@ -24,6 +26,25 @@ ARCHITECTURES = {
     "llama3_rope": (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}, "rope_theta": 500000.0}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
+    # A window layer then a global one, each with its own rope base; a score scale that is not
+    # head_dim's; soft-capped logits. The window of 8 is shorter than the tests' prompts.
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {
+        "head_dim": 32, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    # LongRoPE: positions below 64 take the short factors (the tests' prompts), then the long ones.
+    "phi3": (Phi3Config, Phi3ForCausalLM, {
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "original_max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0 + i / 16 for i in range(16)],
+                            "long_factor": [2.0 + i / 4 for i in range(16)]}}),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # A dense layer after a sparse one; top-2 of 4 experts renormalised.
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
+        "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "norm_topk_prob": True, "mlp_only_layers": [1]}),
 }
 TOKENS_PER_BLOCK = 4
 

@@ -37,9 +37,10 @@ def test_qwen2_has_qkv_bias_and_ignores_an_unused_window():
     assert (config.qkv_bias, config.o_bias, config.sliding_window, config.eos_token_ids) == (True, False, None, (5,))
 
 
-def test_qwen2_sliding_window_layers_are_refused():
-    with pytest.raises(ConfigError, match="use_sliding_window"):
-        ModelConfig.from_hf_config(with_(architectures=["Qwen2ForCausalLM"], use_sliding_window=True))
+def test_qwen2_windows_the_layers_from_max_window_layers_on():
+    config = ModelConfig.from_hf_config(with_(architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                                              sliding_window=64, max_window_layers=1))
+    assert [config.window_of(i) for i in range(2)] == [None, 64]
 
 
 @pytest.mark.parametrize("window, expected", [(None, None), (64, 64), (256, None), (4096, None)])

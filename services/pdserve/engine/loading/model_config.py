@@ -1,28 +1,20 @@
 """The model's shape, read once from a Hugging Face `config.json` dict.
 
-Three architectures share one forward: Llama, Qwen2 (bias on the q/k/v projections)
-and Mistral (optional sliding window). Anything else raises `ConfigError` naming it.
-Both the older `rope_theta` / `rope_scaling` keys and the newer `rope_parameters`
-block are accepted.
+One decoder serves every family; a family is a set of switches on it (`family_config`):
+Llama, Qwen2 (bias on q/k/v), Mistral (a sliding window), Qwen3 (per-head q/k norms), Gemma 3
+(interleaved window and global layers, GeGLU, sandwich norms, scaled embeddings), Phi-3 (fused
+projections, LongRoPE) and the mixtures of experts Mixtral and Qwen3-MoE. Anything else, or an
+option of a family that is not served, raises `ConfigError` naming the field.
 """
 import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pdserve.common.errors import ConfigError
+from pdserve.engine.loading.family_config import SUPPORTED_ARCHITECTURES, MoeConfig, family_fields
+from pdserve.engine.loading.rope_config import Llama3RopeScaling, Rope, RopeScaling, read_rope
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-@dataclass(frozen=True, slots=True)
-class Llama3RopeScaling:
-    """Llama 3 frequency-dependent rope scaling (long wavelengths stretched by `factor`)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+__all__ = ["SUPPORTED_ARCHITECTURES", "Llama3RopeScaling", "ModelConfig", "MoeConfig", "Rope"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +29,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | None
+    rope_scaling: RopeScaling | None
     tie_word_embeddings: bool
     max_position_embeddings: int
     bos_token_id: int | None
@@ -45,12 +37,40 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    sliding_window: int | None = None  # keys older than this many positions are masked
+    sliding_window: int | None = None  # keys older than this many positions are masked (window layers)
     torch_dtype: str | None = None  # the checkpoint's own dtype name, if it says
+    # Per layer: its window (None: global). Empty: `sliding_window` on every layer.
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope: Rope | None = None  # the window layers' own rope (Gemma 3), else the model's
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # every RMSNorm scales by (offset + w) (Gemma: 1)
+    activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    sandwich_norms: bool = False  # norms after attention and the MLP too, before each residual (Gemma)
+    query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    fused_projections: bool = False  # the checkpoint stores qkv_proj and gate_up_proj (Phi-3)
+    moe: MoeConfig | None = None
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`, None where it attends to every key."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def rope_of(self, layer: int) -> Rope:
+        if self.local_rope is not None and self.window_of(layer) is not None:
+            return self.local_rope
+        return Rope(self.rope_theta, self.rope_scaling)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> "ModelConfig":
@@ -62,10 +82,8 @@ class ModelConfig:
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ConfigError("num_key_value_heads", num_kv_heads,
                               f"must divide num_attention_heads={num_heads}")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError("hidden_act", hf.get("hidden_act"), "only silu is supported")
-        theta, scaling = _rope(hf)
-        is_qwen = arch == "Qwen2ForCausalLM"
+        head_dim = int(hf.get("head_dim") or hidden // num_heads)
+        rope = read_rope(hf, head_dim, "full_attention")
         return cls(
             architecture=arch,
             vocab_size=_positive_int(hf, "vocab_size"),
@@ -74,19 +92,17 @@ class ModelConfig:
             num_layers=_positive_int(hf, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=_positive_int(hf, "max_position_embeddings"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf.get("eos_token_id")),
-            qkv_bias=is_qwen or bool(hf.get("attention_bias", False)),
-            o_bias=not is_qwen and bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=_sliding_window(hf, arch),
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            **family_fields(arch, hf, head_dim),
         )
 
 
@@ -111,42 +127,3 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
-
-
-def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    """(theta, scaling) from either `rope_parameters` or `rope_theta` + `rope_scaling`."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError("rope_scaling.rope_type", rope_type,
-                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "default":
-        return theta, None
-    try:
-        scaling = Llama3RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    except KeyError as missing:
-        raise ConfigError(f"rope_scaling.{missing.args[0]}", None, "required for llama3") from None
-    if scaling.high_freq_factor <= scaling.low_freq_factor:
-        raise ConfigError("rope_scaling.high_freq_factor", scaling.high_freq_factor,
-                          "must exceed low_freq_factor")
-    return theta, scaling
-
-
-def _sliding_window(hf: Mapping[str, Any], arch: str) -> int | None:
-    """Mistral's window applies to every layer; Qwen2's per-layer windows are not served."""
-    window = hf.get("sliding_window")
-    if arch == "Qwen2ForCausalLM":
-        if hf.get("use_sliding_window", False):
-            raise ConfigError("use_sliding_window", True, "Qwen2 sliding-window layers are not supported")
-        return None
-    if window is None:
-        return None
-    if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window <= 0:
-        raise ConfigError("sliding_window", window, "must be a positive integer or null")
-    return int(window) if window < hf["max_position_embeddings"] else None

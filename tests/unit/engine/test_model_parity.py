@@ -5,18 +5,31 @@ import pytest
 import torch
 
 from pdserve.engine.model import decode_attention
+from pdserve.engine.loading.rope_config import Rope
 from pdserve.engine.model.layers import RotaryEmbedding
 
 from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
 
-ARCHS = ["llama", "qwen2", "mistral", "llama3_rope"]
+ARCHS = ["llama", "qwen2", "mistral", "llama3_rope", "qwen3", "gemma3", "phi3"]
 PROMPT_LEN = 23  # odd, spans 6 blocks of 4, and longer than Mistral's window of 8
 TOL = 1e-4
 
 
+class _Runners(dict):
+    """A runner per kind, loaded when a test first asks for it."""
+
+    def __init__(self, checkpoints, kernels) -> None:
+        super().__init__()
+        self._checkpoints, self._kernels = checkpoints, kernels
+
+    def __missing__(self, kind: str):
+        self[kind] = load_runner(self._checkpoints[kind], kernels=self._kernels)
+        return self[kind]
+
+
 @pytest.fixture
 def runners(checkpoints, kernels):
-    return {kind: load_runner(checkpoints[kind], kernels=kernels) for kind in ARCHS}
+    return _Runners(checkpoints, kernels)
 
 
 def scattered(num_blocks: int, seed: int) -> list[int]:
@@ -84,7 +97,7 @@ def test_mistral_window_changes_logits_past_the_window(checkpoints):
 def test_llama3_scaling_matters_at_these_positions(checkpoints):
     """Guards the llama3 parity test: the same weights with unscaled rope give other logits."""
     runner = load_runner(checkpoints["llama3_rope"], kernels="torch")  # the rope swapped below is torch's
-    runner.model.rope = RotaryEmbedding(replace(runner.config, rope_scaling=None), runner.device)
+    runner.model.ropes = [RotaryEmbedding(Rope(runner.config.rope_theta), runner.config.head_dim, runner.device)]
     ids = prompt(PROMPT_LEN, seed=1)
     [unscaled] = run(runner, chunk("r", ids, 0, [0, 1, 2, 3, 4, 5], all_logits=True))
     assert not torch.allclose(unscaled, checkpoints["llama3_rope"].hf_logits(ids), atol=TOL)
@@ -109,3 +122,19 @@ def test_fp8_kv_cache_stays_close(checkpoints, monkeypatch, size, max_wide_kv_he
     logits = in_chunks(runner, ids, size, [8, 9, 10, 11, 12, 13])
     assert runner.kv_tensor.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(logits, checkpoints["llama"].hf_logits(ids), atol=0.25, rtol=0.05)
+
+
+def test_longrope_positions_past_the_original_context_take_the_long_factors(checkpoints):
+    """Phi-3's long frequencies equal transformers' for a sequence past the original context, and
+    a position takes them only from there on (cos and sin scaled by the attention factor)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    runner = load_runner(checkpoints["phi3"], kernels="torch")
+    [rope] = runner.model.ropes
+    hf_config = checkpoints["phi3"].hf_model.config
+    long, factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=65)
+    short, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None)
+    torch.testing.assert_close(rope.long_inv_freq, long, atol=0, rtol=0)
+    torch.testing.assert_close(rope.inv_freq, short, atol=0, rtol=0)
+    cos, _ = rope.cos_sin(torch.tensor([63, 64]), torch.float32)
+    torch.testing.assert_close(cos[0, 0, :16], (63 * short).cos() * factor)
+    torch.testing.assert_close(cos[1, 0, :16], (64 * long).cos() * factor)

@@ -83,24 +83,26 @@ def _chunk_plan(start: int, length: int, first_row: int, block_rows: torch.Tenso
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    plan: AttentionPlan, kv: PagedKvCache) -> torch.Tensor:
-    """q (T, nh, hd), k and v (T, kvh, hd) -> (T, nh * hd); writes k, v into the cache first."""
+                    plan: AttentionPlan, kv: PagedKvCache, scale: float | None = None) -> torch.Tensor:
+    """q (T, nh, hd), k and v (T, kvh, hd) -> (T, nh * hd); writes k, v into the cache first.
+    Scores are scaled by `scale` (None: hd ** -0.5)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     kv.write(layer, k, v, plan.token_rows)
     num_tokens, num_heads, head_dim = q.shape
     if plan.decode is not None and plan.decode.token_index is None:
-        return decode_attention(layer, q, plan.decode, kv)
+        return decode_attention(layer, q, plan.decode, kv, scale)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for chunk in plan.chunks:
         out[chunk.tokens] = _attend_chunk(layer, q[chunk.tokens], k[chunk.tokens], v[chunk.tokens],
-                                          chunk, kv)
+                                          chunk, kv, scale)
     if plan.decode is not None:
         decode_q = q.index_select(0, plan.decode.token_index)
-        out.index_copy_(0, plan.decode.token_index, decode_attention(layer, decode_q, plan.decode, kv))
+        out.index_copy_(0, plan.decode.token_index, decode_attention(layer, decode_q, plan.decode, kv, scale))
     return out
 
 
 def _attend_chunk(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  chunk: ChunkAttention, kv: PagedKvCache) -> torch.Tensor:
+                  chunk: ChunkAttention, kv: PagedKvCache, scale: float) -> torch.Tensor:
     """q (T, nh, hd) over the chunk's context -> (T, nh * hd)."""
     value_scale = 1.0  # the chunk's own K/V are true values; stored ones are scaled by the cache's
     if chunk.block_rows is not None:
@@ -113,7 +115,7 @@ def _attend_chunk(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k.transpose(0, 1).unsqueeze(0),  # (1, kvh, S, hd)
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True,
-        scale=q.shape[-1] ** -0.5 * value_scale,
+        scale=scale * value_scale,
     )  # (1, nh, T, hd)
     out = out[0].transpose(0, 1).reshape(q.shape[0], -1)
     return out if value_scale == 1.0 else out.mul_(value_scale)

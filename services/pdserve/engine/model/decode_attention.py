@@ -59,9 +59,11 @@ def plan_decode(context_lens: torch.Tensor, block_rows: torch.Tensor, token_inde
     return DecodeAttention(token_index, len(context_lens), tuple(groups))
 
 
-def decode_attention(layer: int, q: torch.Tensor, plan: DecodeAttention, kv: PagedKvCache) -> torch.Tensor:
-    """q (B, nh, hd), one token per sequence -> (B, nh * hd)."""
+def decode_attention(layer: int, q: torch.Tensor, plan: DecodeAttention, kv: PagedKvCache,
+                     scale: float | None = None) -> torch.Tensor:
+    """q (B, nh, hd), one token per sequence -> (B, nh * hd); scores scaled by `scale` (None: hd ** -0.5)."""
     num_seqs, num_heads, head_dim = q.shape
+    scale = head_dim ** -0.5 if scale is None else scale
     num_kv_heads = kv.tensor.shape[4]
     is_wide = num_kv_heads <= WIDE_QUERY_MAX_KV_HEADS
     queries = _wide_queries(q, num_kv_heads) if is_wide else q  # (B, nh, kvh hd) or (B, nh, hd)
@@ -69,7 +71,7 @@ def decode_attention(layer: int, q: torch.Tensor, plan: DecodeAttention, kv: Pag
     out = q.new_empty(num_seqs, num_heads * head_dim) if len(plan.groups) > 1 else None
     for group in plan.groups:
         k_blocks, v_blocks = kv.gather_blocks(layer, group.block_rows)  # (g * blocks, tpb, kvh, hd)
-        result = attend(queries[group.seqs], k_blocks, v_blocks, group.bias, head_dim, kv)
+        result = attend(queries[group.seqs], k_blocks, v_blocks, group.bias, head_dim, kv, scale)
         if out is None:
             return result
         out[group.seqs] = result
@@ -86,12 +88,12 @@ def _wide_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def _wide_query(wide_q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, bias: torch.Tensor,
-                head_dim: int, kv: PagedKvCache) -> torch.Tensor:
+                head_dim: int, kv: PagedKvCache, scale: float) -> torch.Tensor:
     num_seqs, num_heads, width = wide_q.shape
     num_kv_heads = width // head_dim
     k = kv.values_in_compute_dtype(k_blocks, "k_values").view(num_seqs, -1, width)  # (g, S, kvh hd)
     v = kv.values_in_compute_dtype(v_blocks, "v_values").view(num_seqs, -1, width)
-    probs = _softmax(torch.bmm(wide_q, k.transpose(1, 2)), head_dim, bias, kv)  # (g, nh, S)
+    probs = _softmax(torch.bmm(wide_q, k.transpose(1, 2)), scale, bias, kv)  # (g, nh, S)
     wide_out = torch.bmm(probs, v)  # (g, nh, kvh hd): only each head's own KV block is meaningful
     group = num_heads // num_kv_heads
     own = wide_out.view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim).diagonal(dim1=1, dim2=3)
@@ -100,7 +102,7 @@ def _wide_query(wide_q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
 
 
 def _head_major(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, bias: torch.Tensor,
-                head_dim: int, kv: PagedKvCache) -> torch.Tensor:
+                head_dim: int, kv: PagedKvCache, scale: float) -> torch.Tensor:
     num_seqs, num_heads, _ = q.shape
     num_kv_heads = k_blocks.shape[2]
     shape = (num_seqs, num_kv_heads, bias.shape[-1], head_dim)  # (g, kvh, S, hd)
@@ -110,12 +112,12 @@ def _head_major(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
     v.copy_(v_blocks.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2))
     # Query heads sharing a KV head become that head's query rows: no K/V repeat needed.
     grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (g, kvh, G, hd)
-    probs = _softmax(torch.matmul(grouped_q, k.transpose(2, 3)), head_dim, bias.unsqueeze(1), kv)
+    probs = _softmax(torch.matmul(grouped_q, k.transpose(2, 3)), scale, bias.unsqueeze(1), kv)
     out = torch.matmul(probs, v).reshape(num_seqs, num_heads * head_dim)  # (g, kvh, G, hd) -> (g, nh hd)
     return out.mul_(kv.value_scale) if kv.is_quantized else out
 
 
-def _softmax(scores: torch.Tensor, head_dim: int, bias: torch.Tensor, kv: PagedKvCache) -> torch.Tensor:
+def _softmax(scores: torch.Tensor, scale: float, bias: torch.Tensor, kv: PagedKvCache) -> torch.Tensor:
     """Raw q.k scores -> attention weights in the compute dtype (softmax taken in float32)."""
-    scores = scores.float().mul_(head_dim ** -0.5 * kv.value_scale).add_(bias)
+    scores = scores.float().mul_(scale * kv.value_scale).add_(bias)
     return torch.softmax(scores, dim=-1).to(kv.compute_dtype)

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral) over flattened tokens and the paged KV cache.
+"""The decoder of every served family over flattened tokens and the paged KV cache.
 
 Projections that read the same input are fused at load time (q|k|v, gate|up), so a layer
 runs four matmuls over all tokens of the step at once; only attention looks at sequences.
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pdserve.common.errors import ConfigError
 from pdserve.engine.model.attention import AttentionPlan, paged_attention
 from pdserve.engine.model.kv_tensor import PagedKvCache
-from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from pdserve.engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pdserve.engine.model.lora import NO_LORA, O_PROJ, QKV, LoraStep
 from pdserve.engine.loading.mapped_pages import release_copied_pages
 from pdserve.engine.loading.model_config import ModelConfig
@@ -34,21 +34,37 @@ class _Weights:
 
 
 class DecoderLayer:
-    __slots__ = ("index", "num_heads", "num_kv_heads", "head_dim", "input_norm", "qkv", "qkv_bias",
-                 "o_proj", "o_bias", "post_norm", "mlp")
+    """One decoder layer. Optional parts are None where the family has none: q/k norms (Qwen3,
+    Gemma 3) and the norms of the attention's and the MLP's outputs (Gemma's sandwich). Each
+    layer has its own window (None: global) and rope (an index into `CausalLM.ropes`)."""
 
-    def __init__(self, index: int, config: ModelConfig, weights: _Weights) -> None:
+    __slots__ = ("index", "num_heads", "num_kv_heads", "head_dim", "scale", "window", "rope", "input_norm", "qkv",
+                 "qkv_bias", "q_norm", "k_norm", "o_proj", "o_bias", "attn_out_norm", "post_norm", "mlp",
+                 "mlp_out_norm")
+
+    def __init__(self, index: int, config: ModelConfig, weights: _Weights, rope: int) -> None:
         c, prefix = config, f"model.layers.{index}."
-        self.index = index
+        self.index, self.window, self.rope, self.scale = index, c.window_of(index), rope, c.attention_scale
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         attn = prefix + "self_attn."
-        self.input_norm = RMSNorm(weights.take(prefix + "input_layernorm.weight", c.hidden_size), c.rms_norm_eps)
-        self.post_norm = RMSNorm(weights.take(prefix + "post_attention_layernorm.weight", c.hidden_size),
-                                 c.rms_norm_eps)
-        self.qkv = _fused([weights.take(attn + "q_proj.weight", q_width, c.hidden_size),
-                           weights.take(attn + "k_proj.weight", kv_width, c.hidden_size),
-                           weights.take(attn + "v_proj.weight", kv_width, c.hidden_size)])  # (q+2kv, H)
+        norm = _norms(c, weights)
+        self.input_norm = norm(prefix + "input_layernorm.weight", c.hidden_size)
+        self.q_norm = norm(attn + "q_norm.weight", c.head_dim) if c.qk_norm else None
+        self.k_norm = norm(attn + "k_norm.weight", c.head_dim) if c.qk_norm else None
+        if c.sandwich_norms:
+            self.attn_out_norm = norm(prefix + "post_attention_layernorm.weight", c.hidden_size)
+            self.post_norm = norm(prefix + "pre_feedforward_layernorm.weight", c.hidden_size)
+            self.mlp_out_norm = norm(prefix + "post_feedforward_layernorm.weight", c.hidden_size)
+        else:
+            self.attn_out_norm = self.mlp_out_norm = None
+            self.post_norm = norm(prefix + "post_attention_layernorm.weight", c.hidden_size)
+        if c.fused_projections:
+            self.qkv = weights.take(attn + "qkv_proj.weight", q_width + 2 * kv_width, c.hidden_size)
+        else:
+            self.qkv = _fused([weights.take(attn + "q_proj.weight", q_width, c.hidden_size),
+                               weights.take(attn + "k_proj.weight", kv_width, c.hidden_size),
+                               weights.take(attn + "v_proj.weight", kv_width, c.hidden_size)])  # (q+2kv, H)
         self.qkv_bias = torch.cat([weights.take(attn + "q_proj.bias", q_width),
                                    weights.take(attn + "k_proj.bias", kv_width),
                                    weights.take(attn + "v_proj.bias", kv_width)]) if c.qkv_bias else None
@@ -62,7 +78,9 @@ class DecoderLayer:
 
     def own_vectors(self) -> None:
         """Norm weights and biases copied into memory of their own (see `CausalLM.drop_matrices`)."""
-        self.input_norm.weight, self.post_norm.weight = _owned(self.input_norm.weight), _owned(self.post_norm.weight)
+        for norm in (self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm):
+            if norm is not None:
+                norm.weight = _owned(norm.weight)
         self.qkv_bias, self.o_bias = _owned(self.qkv_bias), _owned(self.o_bias)
         self.mlp.gate_up_bias, self.mlp.down_bias = _owned(self.mlp.gate_up_bias), _owned(self.mlp.down_bias)
 
@@ -73,11 +91,23 @@ class DecoderLayer:
         x = self.input_norm(h)
         qkv = lora.add(F.linear(x, self.qkv, self.qkv_bias), x, self.index, QKV)  # (T, (nh + 2 kvh) hd)
         qk = qkv[:, :(nh + kvh) * hd].view(num_tokens, nh + kvh, hd)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
         qk = RotaryEmbedding.apply(qk, cos, sin)  # (T, nh + kvh, hd): q and k share one rotation
         v = qkv[:, (nh + kvh) * hd:].view(num_tokens, kvh, hd)
-        attn = paged_attention(self.index, qk[:, :nh], qk[:, nh:], v, plan, kv)  # (T, nh hd)
-        h = h + lora.add(F.linear(attn, self.o_proj, self.o_bias), attn, self.index, O_PROJ)
-        return h + self.mlp(self.post_norm(h), lora, self.index)
+        attn = paged_attention(self.index, qk[:, :nh], qk[:, nh:], v, plan, kv, self.scale)  # (T, nh hd)
+        out = lora.add(F.linear(attn, self.o_proj, self.o_bias), attn, self.index, O_PROJ)
+        h = h + (out if self.attn_out_norm is None else self.attn_out_norm(out))
+        out = self.mlp(self.post_norm(h), lora, self.index)
+        return h + (out if self.mlp_out_norm is None else self.mlp_out_norm(out))
+
+
+def _norms(c: ModelConfig, weights: _Weights):
+    """RMSNorm maker; Gemma's (1 + w) scaling is folded into the weight here, once."""
+    def norm(name: str, width: int) -> RMSNorm:
+        weight = weights.take(name, width)
+        return RMSNorm(weight + c.norm_offset if c.norm_offset else weight, c.rms_norm_eps)
+    return norm
 
 
 def _owned(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -92,14 +122,17 @@ def _fused(parts: list[torch.Tensor]) -> torch.Tensor:
     return fused
 
 
-def _mlp(prefix: str, c: ModelConfig, weights: _Weights) -> SwiGLU:
-    gate_up = _fused([weights.take(prefix + "gate_proj.weight", c.intermediate_size, c.hidden_size),
-                      weights.take(prefix + "up_proj.weight", c.intermediate_size, c.hidden_size)])
+def _mlp(prefix: str, c: ModelConfig, weights: _Weights) -> GatedMLP:
+    if c.fused_projections:
+        gate_up = weights.take(prefix + "gate_up_proj.weight", 2 * c.intermediate_size, c.hidden_size)
+    else:
+        gate_up = _fused([weights.take(prefix + "gate_proj.weight", c.intermediate_size, c.hidden_size),
+                          weights.take(prefix + "up_proj.weight", c.intermediate_size, c.hidden_size)])
     gate_up_bias = torch.cat([weights.take(prefix + "gate_proj.bias", c.intermediate_size),
                               weights.take(prefix + "up_proj.bias", c.intermediate_size)]) if c.mlp_bias else None
     down = weights.take(prefix + "down_proj.weight", c.hidden_size, c.intermediate_size)
-    return SwiGLU(gate_up, down, gate_up_bias, weights.take_optional(c.mlp_bias, prefix + "down_proj.bias",
-                                                                      c.hidden_size))
+    return GatedMLP(gate_up, down, gate_up_bias,
+                    weights.take_optional(c.mlp_bias, prefix + "down_proj.bias", c.hidden_size), c.activation)
 
 
 class CausalLM:
@@ -109,11 +142,14 @@ class CausalLM:
         c, weights = config, _Weights(tensors)
         self.config = config
         self.embed = weights.take("model.embed_tokens.weight", c.vocab_size, c.hidden_size)
-        self.layers = [DecoderLayer(i, c, weights) for i in range(c.num_layers)]
-        self.norm = RMSNorm(weights.take("model.norm.weight", c.hidden_size), c.rms_norm_eps)
+        ropes = list(dict.fromkeys(c.rope_of(i) for i in range(c.num_layers)))  # distinct, in layer order
+        self.ropes = [RotaryEmbedding(rope, c.head_dim, device) for rope in ropes]
+        self.layers = [DecoderLayer(i, c, weights, ropes.index(c.rope_of(i))) for i in range(c.num_layers)]
+        self.norm = _norms(c, weights)("model.norm.weight", c.hidden_size)
         self.lm_head = self.embed if c.tie_word_embeddings else weights.take(
             "lm_head.weight", c.vocab_size, c.hidden_size)
-        self.rope = RotaryEmbedding(c, device)
+        # Gemma multiplies embeddings by sqrt(hidden), the factor rounded to the model's dtype first
+        self.embed_scale = None if c.embed_scale is None else float(torch.tensor(c.embed_scale, dtype=self.embed.dtype))
         self.matrices_dropped = False
 
     def drop_matrices(self) -> None:
@@ -131,16 +167,25 @@ class CausalLM:
             layer.own_vectors()
         self.matrices_dropped = True
 
-    def forward(self, token_ids: torch.Tensor, plan: AttentionPlan, kv: PagedKvCache,
+    @property
+    def windows(self) -> set[int | None]:
+        """The distinct windows of the layers (None: global); one attention plan each per step."""
+        return {layer.window for layer in self.layers}
+
+    def forward(self, token_ids: torch.Tensor, plans: dict[int | None, AttentionPlan], kv: PagedKvCache,
                 logit_rows: torch.Tensor, lora: LoraStep = NO_LORA) -> torch.Tensor:
         """token_ids (T,) -> float32 logits (R, vocab) of the hidden rows `logit_rows` (R,);
-        `lora` adds each adapter's deltas to its own rows."""
+        `plans` has the step's attention plan for each of `windows`; `lora` adds each
+        adapter's deltas to its own rows."""
         if self.matrices_dropped:
             raise RuntimeError("this model's matrices were handed to the native kernels; run it through them")
         h = F.embedding(token_ids, self.embed)  # (T, H)
-        cos, sin = self.rope.cos_sin(plan.positions, h.dtype)  # (T, 1, hd) each
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        positions = next(iter(plans.values())).positions
+        rotations = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]  # (cos, sin), (T, 1, hd) each
         for layer in self.layers:
-            h = layer(h, cos, sin, plan, kv, lora)
+            h = layer(h, *rotations[layer.rope], plans[layer.window], kv, lora)
         if logit_rows.numel() == 0:
             return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         last = self.norm(h.index_select(0, logit_rows))  # (R, H)

@@ -75,6 +75,9 @@ def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:
         return f"KV cache dtype {kv.tensor.dtype} differs from the model's"
     if c.head_dim % 32 or c.hidden_size % 16 or c.intermediate_size % 16:
         return "head_dim must be a multiple of 32, hidden and intermediate sizes of 16"
+    if (c.qk_norm or c.sandwich_norms or c.layer_windows or c.local_rope or c.embed_scale or c.query_scale
+            or c.activation != "silu" or c.moe is not None or c.rope_scaling.__class__.__name__ in ("LongRopeScaling", "LinearRopeScaling")):
+        return f"{c.architecture}'s layers are not yet on the native kernels"
     return None
 
 
@@ -138,7 +141,7 @@ class NativeForward:
                    gate_up, layer.mlp.gate_up_bias, down, layer.mlp.down_bias]
                   for layer, (qkv, o_proj, gate_up, down) in zip(model.layers, matrices, strict=True)]
         self._model = module.NativeModel(
-            model.embed, model.norm.weight, lm_head, layers, model.rope.inv_freq, c.num_heads,
+            model.embed, model.norm.weight, lm_head, layers, model.ropes[0].inv_freq, c.num_heads,
             c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, form == "onednn",
             blocked_rows(layouts_read))
         self._threads: torch.Tensor | None = None  # the count a step follows, kept alive here

@@ -95,11 +95,14 @@ class ModelRunner:
         lora = NO_LORA if self.lora is None else self.lora.plan([(c.lora_id, len(c.token_ids)) for c in batch.chunks])
         if self.native is not None:
             logits = self.native.forward(batch, self.kv, _logit_rows(batch.chunks), lora)  # (R, vocab)
-            return ForwardOutput(list(torch.split(logits, counts)))
-        plan = plan_attention(batch, self.kv, self.config.sliding_window)
-        token_ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)
-        logit_rows = torch.tensor(_logit_rows(batch.chunks), dtype=torch.int64, device=self.device)
-        logits = self.model.forward(token_ids.to(self.device), plan, self.kv, logit_rows, lora)  # (R, vocab)
+        else:
+            plans = {window: plan_attention(batch, self.kv, window) for window in self.model.windows}
+            token_ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)
+            logit_rows = torch.tensor(_logit_rows(batch.chunks), dtype=torch.int64, device=self.device)
+            logits = self.model.forward(token_ids.to(self.device), plans, self.kv, logit_rows, lora)  # (R, vocab)
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
         return ForwardOutput(list(torch.split(logits, counts)))
 
     def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""Teacher-forced logits equal transformers' for Llama, Qwen2 and Mistral, however the prompt is split."""
+"""Teacher-forced logits equal transformers' for every served family, however the prompt is split."""
 from dataclasses import replace
 
 import pytest
@@ -10,7 +10,7 @@ from pdserve.engine.model.layers import RotaryEmbedding
 
 from model_builders import TOKENS_PER_BLOCK, chunk, load_runner, prompt, run
 
-ARCHS = ["llama", "qwen2", "mistral", "llama3_rope", "qwen3", "gemma3", "phi3"]
+ARCHS = ["llama", "qwen2", "mistral", "llama3_rope", "qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 PROMPT_LEN = 23  # odd, spans 6 blocks of 4, and longer than Mistral's window of 8
 TOL = 1e-4
 

@@ -11,6 +11,7 @@ from pdserve.engine.model.attention import AttentionPlan, paged_attention
 from pdserve.engine.model.kv_tensor import PagedKvCache
 from pdserve.engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pdserve.engine.model.lora import NO_LORA, O_PROJ, QKV, LoraStep
+from pdserve.engine.model.moe import MoeMLP, load_moe_mlp
 from pdserve.engine.loading.mapped_pages import release_copied_pages
 from pdserve.engine.loading.model_config import ModelConfig
 
@@ -70,11 +71,13 @@ class DecoderLayer:
                                    weights.take(attn + "v_proj.bias", kv_width)]) if c.qkv_bias else None
         self.o_proj = weights.take(attn + "o_proj.weight", c.hidden_size, q_width)
         self.o_bias = weights.take_optional(c.o_bias, attn + "o_proj.bias", c.hidden_size)
-        self.mlp = _mlp(prefix + "mlp.", c, weights)
+        self.mlp = load_moe_mlp(prefix, c, weights.take) if c.is_moe_layer(index) else _mlp(prefix + "mlp.", c, weights)
 
     def drop_matrices(self) -> None:
         """Let go of the four matrices (see `CausalLM.drop_matrices`)."""
-        self.qkv = self.o_proj = self.mlp.gate_up = self.mlp.down = None
+        self.qkv = self.o_proj = None
+        for mlp in _gated_mlps(self.mlp):
+            mlp.gate_up = mlp.down = None
 
     def own_vectors(self) -> None:
         """Norm weights and biases copied into memory of their own (see `CausalLM.drop_matrices`)."""
@@ -82,7 +85,8 @@ class DecoderLayer:
             if norm is not None:
                 norm.weight = _owned(norm.weight)
         self.qkv_bias, self.o_bias = _owned(self.qkv_bias), _owned(self.o_bias)
-        self.mlp.gate_up_bias, self.mlp.down_bias = _owned(self.mlp.gate_up_bias), _owned(self.mlp.down_bias)
+        for mlp in _gated_mlps(self.mlp):
+            mlp.gate_up_bias, mlp.down_bias = _owned(mlp.gate_up_bias), _owned(mlp.down_bias)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  plan: AttentionPlan, kv: PagedKvCache, lora: LoraStep = NO_LORA) -> torch.Tensor:
@@ -108,6 +112,11 @@ def _norms(c: ModelConfig, weights: _Weights):
         weight = weights.take(name, width)
         return RMSNorm(weight + c.norm_offset if c.norm_offset else weight, c.rms_norm_eps)
     return norm
+
+
+def _gated_mlps(mlp: GatedMLP | MoeMLP) -> list[GatedMLP]:
+    """The dense MLP, or a mixture's experts (its router is owned already)."""
+    return mlp.experts if isinstance(mlp, MoeMLP) else [mlp]
 
 
 def _owned(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -90,3 +90,27 @@ def test_bad_values_raise_config_error_naming_the_field(changes, field):
     with pytest.raises(ConfigError) as err:
         ModelConfig.from_hf_config(with_(**changes))
     assert err.value.field == field
+
+
+def test_gemma3_older_spelling_scales_only_the_global_layers():
+    config = ModelConfig.from_hf_config(with_(
+        architectures=["Gemma3ForCausalLM"], head_dim=16, sliding_window=64, sliding_window_pattern=2,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert [config.window_of(i) for i in range(2)] == [64, None]
+    assert config.rope_of(0).theta == 10000.0 and config.rope_of(0).scaling is None
+    assert config.rope_of(1).theta == 1000000.0 and config.rope_of(1).scaling.factor == 8.0
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ({"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 5,
+      "moe_intermediate_size": 32}, "num_experts_per_tok"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 0, "num_experts_per_tok": 2},
+     "num_local_experts"),
+    ({"hidden_act": "relu"}, "hidden_act"),
+])
+def test_an_option_not_served_is_refused_naming_its_field(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf_config(with_(**changes))

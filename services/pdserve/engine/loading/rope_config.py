@@ -56,9 +56,10 @@ def read_rope(hf: Mapping[str, Any], head_dim: int, layer_type: str | None = Non
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if layer_type is not None and isinstance(params.get(layer_type), Mapping):
         params = dict(params[layer_type])
+    elif layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
+        # Gemma 3's older spelling: the window layers' own base, unscaled (the scaling is the global layers')
+        return Rope(float(hf["rope_local_base_freq"]))
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if layer_type == "sliding_attention" and "rope_local_base_freq" in hf:
-        theta = float(hf["rope_local_base_freq"])
     if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ConfigError("partial_rotary_factor", params.get("partial_rotary_factor", hf.get("partial_rotary_factor")),
                           "partial rotary embeddings are not supported")

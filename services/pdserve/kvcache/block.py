@@ -34,6 +34,9 @@ class KvBlock:
     tier: Tier = Tier.DEVICE
     last_used: int = 0  # logical clock tick of the last release
     version: int = 0  # bumped whenever an eviction-queue entry for this block goes stale
+    # Received without some window layers' slices: only queries from this position on may read
+    # it (windows.py). None: its KV is whole.
+    readable_from: int | None = None
 
     @property
     def is_cached(self) -> bool:

@@ -44,7 +44,7 @@ class ClaimedSequence:
 
     @property
     def hashes(self) -> list[BlockHash]:
-        """The digests of the full blocks hashed so far (see `_extend_hashes`)."""
+        """The digests of the full blocks hashed so far (see `publishing.py`)."""
         return self.request.hash_chain.hashes
 
     def block_priority(self, i: int, tokens_per_block: int) -> tuple[int, float | None]:

@@ -29,8 +29,10 @@ from pdserve.kvcache.lower_tier import LowerTier, TierMove
 from pdserve.kvcache.tiers import LowerTiers
 from pdserve.kvcache.integrity import IntegrityError, check_pool_integrity
 from pdserve.kvcache.pool import BlockPool
+from pdserve.kvcache.publishing import publish_full_blocks
 from pdserve.kvcache.claims import ClaimedSequence, ClaimResult, PrefixAnalysis
 from pdserve.kvcache.request import CacheRequest
+from pdserve.kvcache.windows import SkippedSlices, num_reusable
 
 __all__ = ["ClaimResult", "IntegrityError", "KvCacheManager", "PrefixAnalysis"]
 
@@ -224,7 +226,16 @@ class KvCacheManager:
                 "num_tokens",
             )
         seq.num_computed_tokens = total
-        self._publish_full_blocks(seq)
+        publish_full_blocks(self.pool, seq, self.tokens_per_block, self.config.enable_block_reuse, self._expiry)
+
+    def lack_slices(self, request_id: RequestId, skipped: Sequence[SkippedSlices]) -> None:
+        """Blocks of `request_id` whose KV arrived without some window layers' slices (`windows.py`),
+        before `mark_computed` publishes them: marked, reused only out of reach, never moved down."""
+        blocks = self._get(request_id).blocks
+        if any(blocks[skip.block_index].block_hash is not None for skip in skipped):
+            raise InvalidRequestError(f"a block of {request_id!r} lacking slices is published already", "skipped")
+        for skip in skipped:
+            blocks[skip.block_index].readable_from = skip.readable_from
 
     def free(self, request_id: RequestId) -> None:
         """Release the sequence's blocks, tail first (so a prefix's tail is evicted before its head)."""
@@ -311,7 +322,8 @@ class KvCacheManager:
                 lower.append(block_hash)
             else:
                 break
-        return matched, lower
+        num = num_reusable([b.readable_from for b in matched], len(lower), self.tokens_per_block)
+        return matched[:num], lower[:max(0, num - len(matched))]
 
     def _num_claim_blocks(self, request: CacheRequest) -> int:
         num_tokens = request.num_claim_tokens or len(request.token_ids)
@@ -319,31 +331,3 @@ class KvCacheManager:
 
     def _expiry(self, duration_s: float | None) -> float | None:
         return None if duration_s is None else self._clock() + duration_s
-
-    def _publish_full_blocks(self, seq: ClaimedSequence) -> None:
-        num_full = seq.num_computed_tokens // self.tokens_per_block
-        if not self.config.enable_block_reuse:
-            seq.num_published = max(seq.num_published, num_full)
-            return
-        self._extend_hashes(seq, num_full)
-        for i in range(seq.num_published, num_full):
-            self._publish_block(seq, i)
-        seq.num_published = max(seq.num_published, num_full)
-
-    def _publish_block(self, seq: ClaimedSequence, i: int) -> None:
-        block = seq.blocks[i]
-        if block.block_hash is not None:
-            return
-        existing = self.pool.lookup(seq.hashes[i])
-        if existing is not None:  # same content already cached: share it, free our copy
-            self.pool.ref(existing)
-            seq.blocks[i] = existing
-            self.pool.unref(block)
-            return
-        parent = seq.blocks[i - 1] if i > 0 else None  # cached: blocks are published in order
-        priority, duration_s = seq.block_priority(i, self.tokens_per_block)
-        self.pool.publish(block, seq.hashes[i], parent, priority, self._expiry(duration_s), seq.request.lora_id)
-
-    def _extend_hashes(self, seq: ClaimedSequence, num_full: int) -> None:
-        if len(seq.hashes) < num_full:
-            seq.request.block_hashes(self.tokens_per_block)  # the chain hashes the blocks it lacks

@@ -82,6 +82,7 @@ class BlockPool:
         for _ in range(num):
             block = self.free_list.popleft() if self.free_list else self._evict_one()
             block.ref_count = 1
+            block.readable_from = None
             taken.append(block)
         return taken
 
@@ -158,6 +159,8 @@ class BlockPool:
         if block_hash in host:
             host.touch(block_hash)
             return True
+        if block.readable_from is not None:  # lacks slices: the lower tiers hold only whole blocks
+            return False
         if not host.admits(block.priority):
             self.num_dropped_by_priority += 1
             return False

@@ -29,24 +29,40 @@ class StepShape:
 
 
 def num_parameters(config: ModelConfig) -> int:
-    """Parameters of a Llama-family decoder (biases and norms included)."""
+    """Parameters of the decoder (biases and norms included); a mixture's layers count every
+    expert, since all are resident whichever a token runs."""
     attn_width = config.num_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
     attention = config.hidden_size * (attn_width + 2 * kv_width) + attn_width * config.hidden_size
     attention += (attn_width + 2 * kv_width) * config.qkv_bias + config.hidden_size * config.o_bias
-    mlp = 3 * config.hidden_size * config.intermediate_size
-    mlp += (2 * config.intermediate_size + config.hidden_size) * config.mlp_bias
-    per_layer = attention + mlp + 2 * config.hidden_size
+    attention += 2 * config.head_dim * config.qk_norm
+    layers = sum(attention + _mlp_parameters(config, i) + 2 * config.hidden_size for i in range(config.num_layers))
     embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    return config.num_layers * per_layer + embeddings + config.hidden_size
+    return layers + embeddings + config.hidden_size
+
+
+def _mlp_parameters(config: ModelConfig, layer: int) -> int:
+    if config.is_moe_layer(layer):
+        moe = config.moe
+        return moe.num_experts * (3 * config.hidden_size * moe.expert_intermediate_size + config.hidden_size)
+    mlp = 3 * config.hidden_size * config.intermediate_size
+    return mlp + (2 * config.intermediate_size + config.hidden_size) * config.mlp_bias
+
+
+def _widest_activation(config: ModelConfig) -> int:
+    """Per token: the fused q|k|v or gate|up row, or a mixture's copies of the token, one per
+    chosen expert (its input row, then its gate|up row)."""
+    widest = max(2 * config.intermediate_size, (config.num_heads + 2 * config.num_kv_heads) * config.head_dim)
+    if config.moe is not None:
+        widest = max(widest, config.moe.top_k * max(2 * config.moe.expert_intermediate_size, config.hidden_size))
+    return widest
 
 
 def non_kv_bytes(config: ModelConfig, dtype_bytes: int, step: StepShape) -> int:
     """Estimated device memory of everything but the KV cache: weights, one step's activations
     (the widest per-token intermediate, a few live copies), the step's float32 logits, runtime."""
     weights = num_parameters(config) * dtype_bytes
-    widest = max(2 * config.intermediate_size, (config.num_heads + 2 * config.num_kv_heads) * config.head_dim)
-    activations = step.max_num_batched_tokens * widest * dtype_bytes * _ACTIVATION_COPIES
+    activations = step.max_num_batched_tokens * _widest_activation(config) * dtype_bytes * _ACTIVATION_COPIES
     logits = step.max_num_seqs * config.vocab_size * 4
     return weights + activations + logits + CUDA_RUNTIME_ALLOWANCE
 

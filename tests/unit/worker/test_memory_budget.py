@@ -1,12 +1,14 @@
 """`--gpu-memory-utilization` as vLLM means it: the share of the GPU's total memory the whole
 worker may use; the KV cache gets what the weights and one step's activations leave."""
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 from pdserve.common.errors import ConfigError
 from pdserve.engine.loading.weights import load_model_config
 from pdserve.worker.memory_budget import (
     CPU_RAM_FRACTION,
+    CUDA_RUNTIME_ALLOWANCE,
     StepShape,
     cpu_kv_budget,
     gpu_kv_budget,
@@ -25,6 +27,33 @@ def test_parameter_count_matches_transformers(tmp_path, tied: bool) -> None:
     model.save_pretrained(tmp_path)
     expected = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     assert num_parameters(load_model_config(str(tmp_path))) == expected
+
+
+MOE_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts_per_tok=2)
+MOE_MODELS = {
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(num_local_experts=8, **MOE_SHAPE)),
+    # experts of their own width, a dense layer among the sparse ones, per-head q/k norms
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=8, moe_intermediate_size=48,
+                                                            mlp_only_layers=[1], **MOE_SHAPE)),
+}
+
+
+@pytest.mark.parametrize("kind", MOE_MODELS)
+def test_every_expert_counts_in_a_mixture(tmp_path, kind: str) -> None:
+    """All experts' weights are resident, not only the top-k a token runs."""
+    model = MOE_MODELS[kind]()
+    model.save_pretrained(tmp_path)
+    assert num_parameters(load_model_config(str(tmp_path))) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_mixture_steps_activations_hold_each_token_top_k_times(tmp_path) -> None:
+    MOE_MODELS["mixtral"]().save_pretrained(tmp_path)
+    config = load_model_config(str(tmp_path))
+    step = StepShape(4096, 8)
+    weights_and_rest = num_parameters(config) * 2 + 8 * 320 * 4 + CUDA_RUNTIME_ALLOWANCE
+    # the experts' rows: each token twice (top-2), at the widest of 2 x 96 (gate|up) and 64 (hidden)
+    assert non_kv_bytes(config, 2, step) - weights_and_rest == 4096 * 2 * (2 * 96) * 2 * 4
 
 
 def test_the_estimate_grows_with_the_step_and_the_dtype(tmp_path) -> None:

@@ -130,6 +130,20 @@ def test_written_blocks_land_byte_for_byte_and_others_stay(peer: Peer, prefill: 
     assert peer.notifications == [("prefill", b"req-1")]
 
 
+def test_a_write_of_some_layers_lands_their_bytes_only(peer: Peer, prefill: NixlTransport) -> None:
+    """A block out of every window layer's reach travels with its global layers' K and V only."""
+    prefill.add_peer(DECODE, peer.decode_metadata)
+    source, expected = peer_kv(SPEC, seed=7), peer.snapshot()
+    handle = prefill.write_blocks(DECODE, blocks([4, 1, 2]), blocks([10, 11, 3]), b"", TRANSFER_TIMEOUT_S,
+                                  layers=[[1], [0], [0, 1]])
+    prefill.wait(handle)
+    prefill.release(handle)
+    expected[10, 1] = source[4, 1]  # (L, 2, tpb, kvh, hd) per block: one layer's K and V
+    expected[11, 0] = source[1, 0]
+    expected[3] = source[2]
+    assert peer.snapshot().view(torch.uint8).equal(expected.view(torch.uint8))
+
+
 def test_read_blocks_copies_the_peers_blocks(peer: Peer, prefill: NixlTransport,
                                              prefill_kv: torch.Tensor) -> None:
     prefill.add_peer(DECODE, peer.decode_metadata)

@@ -76,7 +76,8 @@ class KvTransportBase(KvTransport, Generic[Token]):
 
     @abstractmethod
     def _post(self, op: Op, peer_id: WorkerId, pairs: BlockPairs, notify: bytes) -> Token:
-        """Start moving `pairs.local[i]` <-> `pairs.remote[i]`; raise TransferError if it cannot."""
+        """Start moving `pairs.local[i]` <-> `pairs.remote[i]` (only `pairs.layers[i]` of them
+        when set); raise TransferError if it cannot."""
 
     @abstractmethod
     def _status(self, token: Token) -> TransferState:
@@ -129,12 +130,14 @@ class KvTransportBase(KvTransport, Generic[Token]):
                 self._forget_peer(peer_id, reason=f"peer {peer_id!r} was removed")
 
     def write_blocks(self, peer_id: WorkerId, local_block_ids: Sequence[BlockId],
-                     remote_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float) -> TransferHandle:
-        return self._start("WRITE", peer_id, local_block_ids, remote_block_ids, notify, timeout_s)
+                     remote_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float,
+                     layers: Sequence[Sequence[int]] | None = None) -> TransferHandle:
+        return self._start("WRITE", peer_id, local_block_ids, remote_block_ids, notify, timeout_s, layers)
 
     def read_blocks(self, peer_id: WorkerId, remote_block_ids: Sequence[BlockId],
-                    local_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float) -> TransferHandle:
-        return self._start("READ", peer_id, local_block_ids, remote_block_ids, notify, timeout_s)
+                    local_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float,
+                    layers: Sequence[Sequence[int]] | None = None) -> TransferHandle:
+        return self._start("READ", peer_id, local_block_ids, remote_block_ids, notify, timeout_s, layers)
 
     def poll(self, handle: TransferHandle) -> TransferState:
         with self._lock:
@@ -183,7 +186,8 @@ class KvTransportBase(KvTransport, Generic[Token]):
     # ---- internals --------------------------------------------------------------------------
 
     def _start(self, op: Op, peer_id: WorkerId, local_block_ids: Sequence[BlockId],
-               remote_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float) -> TransferHandle:
+               remote_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float,
+               layers: Sequence[Sequence[int]] | None) -> TransferHandle:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
                 or not 0 < timeout_s < math.inf:
             raise InvalidRequestError(f"timeout_s={timeout_s!r}: must be a positive, finite number of "
@@ -199,7 +203,8 @@ class KvTransportBase(KvTransport, Generic[Token]):
             peer = self._peers.get(peer_id)
             if peer is None:
                 raise TransferError(f"unknown peer {peer_id!r}: add_peer first")
-            pairs = pair_block_ids(op, local_block_ids, remote_block_ids, self.num_blocks, peer.num_blocks)
+            pairs = pair_block_ids(op, local_block_ids, remote_block_ids, self.num_blocks, peer.num_blocks,
+                                   layers, self.spec.num_layers)
             token = self._post(op, peer_id, pairs, notify)
             handle = TransferHandle(self._next_transfer_id, peer_id, len(pairs.local), deadline)
             self._transfers[handle.transfer_id] = _Transfer(handle, token)

@@ -1,4 +1,4 @@
-"""Validation of the block ids a transfer names, and the run count that bounds its cost."""
+"""Validation of the block ids (and layers) a transfer names, and the run count that bounds its cost."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -21,6 +21,21 @@ class BlockPairs:
 
     local: np.ndarray
     remote: np.ndarray
+    layers: tuple[tuple[int, ...], ...] | None = None  # each pair's layers, ascending; None: whole blocks
+
+    def layer_runs(self) -> np.ndarray:
+        """(R, 4) int64 rows (local block, remote block, first layer, number of layers): each pair's
+        layers as runs of consecutive layers, one contiguous copy each (a layer's K and V lie
+        together in a block)."""
+        rows = []
+        for local, remote, layers in zip(self.local.tolist(), self.remote.tolist(), self.layers or ()):
+            first = previous = layers[0]
+            for layer in layers[1:] + (None,):
+                if layer != previous + 1:
+                    rows.append((local, remote, first, previous - first + 1))
+                    first = layer
+                previous = layer
+        return np.array(rows, dtype=np.int64).reshape(-1, 4)
 
     @property
     def num_runs(self) -> int:
@@ -34,11 +49,14 @@ class BlockPairs:
 
 def pair_block_ids(op: Literal["WRITE", "READ"], local_block_ids: Sequence[BlockId],
                    remote_block_ids: Sequence[BlockId], num_local_blocks: int,
-                   num_remote_blocks: int) -> BlockPairs:
-    """Validate a transfer's ids; the destination is remote for WRITE, local for READ.
+                   num_remote_blocks: int, layers: Sequence[Sequence[int]] | None = None,
+                   num_layers: int = 0) -> BlockPairs:
+    """Validate a transfer's ids (and, when given, each pair's layers among `num_layers`); the
+    destination is remote for WRITE, local for READ.
 
     Raises InvalidRequestError naming the argument for empty or unequal lists, non-integer
-    ids, ids out of `[0, num_blocks)` or a destination id given twice.
+    ids, ids out of `[0, num_blocks)`, a destination id given twice, or a pair's layers empty,
+    out of range or not ascending.
     """
     local = _as_ids("local_block_ids", local_block_ids, num_local_blocks)
     remote = _as_ids("remote_block_ids", remote_block_ids, num_remote_blocks)
@@ -51,7 +69,20 @@ def pair_block_ids(op: Literal["WRITE", "READ"], local_block_ids: Sequence[Block
     if len(unique) != len(destination):
         repeated = unique[counts > 1].tolist()
         raise InvalidRequestError(f"{name} repeats destination blocks {repeated}", param=name)
-    return BlockPairs(local, remote)
+    return BlockPairs(local, remote, None if layers is None else _as_layers(layers, len(local), num_layers))
+
+
+def _as_layers(layers: Sequence[Sequence[int]], num_pairs: int, num_layers: int) -> tuple[tuple[int, ...], ...]:
+    if len(layers) != num_pairs:
+        raise InvalidRequestError(f"layers has {len(layers)} entries for {num_pairs} block pairs", param="layers")
+    checked = tuple(tuple(pair) for pair in layers)
+    for pair in checked:
+        is_valid = bool(pair) and all(isinstance(x, int) and not isinstance(x, bool) for x in pair) \
+            and 0 <= pair[0] and pair[-1] < num_layers and all(a < b for a, b in zip(pair, pair[1:]))
+        if not is_valid:
+            raise InvalidRequestError(f"layers {list(pair)}: must be ascending layer ids in [0, {num_layers}), "
+                                      "at least one", param="layers")
+    return checked
 
 
 def _as_ids(name: str, block_ids: Sequence[BlockId], num_blocks: int) -> np.ndarray:

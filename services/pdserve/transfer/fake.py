@@ -137,13 +137,24 @@ class FakeTransport(KvTransportBase[FakeTransfer]):
 
     def _complete(self, token: FakeTransfer, peer: FakeTransport) -> None:
         local, remote = token.pairs.local.tolist(), token.pairs.remote.tolist()
-        if token.op == "WRITE":
+        if token.pairs.layers is not None:
+            self._copy_layers(token, peer)
+        elif token.op == "WRITE":
             peer._rows[remote] = self._rows[local]
         else:
             self._rows[local] = peer._rows[remote]
         if token.notify:
             peer._inbox.append(Notification(self.worker_id, token.notify))
         token.is_done = True
+
+    def _copy_layers(self, token: FakeTransfer, peer: FakeTransport) -> None:
+        per_layer = self.spec.bytes_per_layer
+        for local, remote, first, count in token.pairs.layer_runs().tolist():
+            span = slice(first * per_layer, (first + count) * per_layer)
+            if token.op == "WRITE":
+                peer._rows[remote, span] = self._rows[local, span]
+            else:
+                self._rows[local, span] = peer._rows[remote, span]
 
     def _release(self, token: FakeTransfer) -> None:
         token.is_released = True

@@ -88,19 +88,23 @@ class KvTransport(ABC):
 
     @abstractmethod
     def write_blocks(self, peer_id: WorkerId, local_block_ids: Sequence[BlockId],
-                     remote_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float) -> TransferHandle:
-        """Copy local block `local_block_ids[i]` into the peer's block `remote_block_ids[i]`.
+                     remote_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float,
+                     layers: Sequence[Sequence[int]] | None = None) -> TransferHandle:
+        """Copy local block `local_block_ids[i]` into the peer's block `remote_block_ids[i]`:
+        only the K and V of layers `layers[i]` (ascending) when given, the whole block otherwise;
+        the destination's other bytes are left as they are.
 
         `notify` (may be empty: none) reaches the peer once every byte has landed. The transfer
         FAILS if not done within `timeout_s` of this call (and is not posted at all once that
         has passed waiting for the transport). Raises InvalidRequestError for ids out of range,
-        of unequal lengths or repeated destinations; TransferError for an unknown or
-        unreachable peer.
+        of unequal lengths or repeated destinations, or layers that are not; TransferError for
+        an unknown or unreachable peer.
         """
 
     @abstractmethod
     def read_blocks(self, peer_id: WorkerId, remote_block_ids: Sequence[BlockId],
-                    local_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float) -> TransferHandle:
+                    local_block_ids: Sequence[BlockId], notify: bytes, timeout_s: float,
+                    layers: Sequence[Sequence[int]] | None = None) -> TransferHandle:
         """Copy the peer's block `remote_block_ids[i]` into local block `local_block_ids[i]`;
         otherwise as `write_blocks` (the peer gets `notify` once we have read everything)."""
 

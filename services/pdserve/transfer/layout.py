@@ -39,7 +39,9 @@ class KvLayoutSpec:
 
     `model` names the weights (a name or a content fingerprint); `kv_scale` is the per-tensor
     scale of a float8 cache (1.0 otherwise), since bytes stored under different scales decode
-    to different values.
+    to different values. `layer_windows` is each layer's sliding window (None: global; empty:
+    not told): both sides derive from it which slices of a block a hand-off leaves behind
+    (`kvcache/windows.py`), so they must agree on it.
     """
 
     model: str
@@ -49,6 +51,7 @@ class KvLayoutSpec:
     head_dim: int
     tokens_per_block: int
     kv_scale: float = 1.0
+    layer_windows: tuple[int | None, ...] = ()
     layout: str = BLOCK_MAJOR_V1
     protocol_version: int = PROTOCOL_VERSION
 
@@ -64,6 +67,11 @@ class KvLayoutSpec:
         if isinstance(self.kv_scale, bool) or not isinstance(self.kv_scale, (int, float)) \
                 or not self.kv_scale > 0:
             raise ConfigError("kv_scale", self.kv_scale, "must be positive")
+        if not isinstance(self.layer_windows, tuple) or len(self.layer_windows) not in (0, self.num_layers) \
+                or not all(w is None or (isinstance(w, int) and not isinstance(w, bool) and w > 0)
+                           for w in self.layer_windows):
+            raise ConfigError("layer_windows", self.layer_windows,
+                              "must be empty or one positive window (or None) per layer")
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -71,17 +79,24 @@ class KvLayoutSpec:
         return (self.num_layers, 2, self.tokens_per_block, self.num_kv_heads, self.head_dim)
 
     @property
+    def bytes_per_layer(self) -> int:
+        """Bytes of one layer's K and V in a block: a contiguous slice of it."""
+        return self.bytes_per_block // self.num_layers
+
+    @property
     def bytes_per_block(self) -> int:
         elements = self.num_layers * 2 * self.tokens_per_block * self.num_kv_heads * self.head_dim
         return elements * DTYPE_SIZES[self.dtype]
 
     @classmethod
-    def for_tensor(cls, model: str, kv: torch.Tensor, kv_scale: float = 1.0) -> KvLayoutSpec:
+    def for_tensor(cls, model: str, kv: torch.Tensor, kv_scale: float = 1.0,
+                   layer_windows: tuple[int | None, ...] = ()) -> KvLayoutSpec:
         """The spec of a block-major KV tensor `(N, L, 2, tpb, kvh, hd)`."""
         if kv.dim() != 6 or kv.shape[2] != 2:
             raise ConfigError("kv_tensor.shape", tuple(kv.shape), "expected (N, L, 2, tpb, kvh, hd)")
         _, num_layers, _, tokens_per_block, num_kv_heads, head_dim = kv.shape
-        return cls(model, dtype_name(kv), num_layers, num_kv_heads, head_dim, tokens_per_block, kv_scale)
+        return cls(model, dtype_name(kv), num_layers, num_kv_heads, head_dim, tokens_per_block, kv_scale,
+                   layer_windows)
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "bytes_per_block": self.bytes_per_block}
@@ -93,8 +108,11 @@ class KvLayoutSpec:
         missing = [name for name in names if name not in data]
         if missing:
             raise IncompatiblePeerError(f"peer layout spec lacks fields: {', '.join(missing)}")
+        values = {name: data[name] for name in names}
+        if isinstance(values["layer_windows"], list):  # JSON has no tuples
+            values["layer_windows"] = tuple(values["layer_windows"])
         try:
-            spec = cls(**{name: data[name] for name in names})
+            spec = cls(**values)
         except ConfigError as error:
             raise IncompatiblePeerError(f"peer layout spec is invalid: {error}") from error
         if data.get("bytes_per_block") != spec.bytes_per_block:

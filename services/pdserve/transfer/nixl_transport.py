@@ -3,7 +3,9 @@
 Setup cost is paid once: the KV tensor is registered once, a descriptor list of one entry
 per local block is prepared once, and one per peer in `add_peer`. A transfer of N blocks is
 then N (local index, remote index) pairs handed to `make_prepped_xfer`, which merges pairs
-that are contiguous on both sides into one descriptor. NIXL's UCX backend flushes the
+that are contiguous on both sides into one descriptor. A transfer of some layers of its blocks
+(the global layers of a block out of every window's reach) names its runs of layers as
+descriptors of their own, made for that transfer (`initialize_xfer`). NIXL's UCX backend flushes the
 endpoint before it reports a transfer DONE, so DONE means the bytes are in the peer's memory.
 
 UCX picks its transport (cma, shm, tcp, ...) from the process environment when the agent is
@@ -119,8 +121,12 @@ class NixlTransport(KvTransportBase[nixl_xfer_handle]):
 
     def _post(self, op: Op, peer_id: WorkerId, pairs: BlockPairs, notify: bytes) -> nixl_xfer_handle:
         with _nixl_errors(f"{op} {len(pairs.local)} blocks with peer {peer_id!r}"):
-            xfer = self._agent.make_prepped_xfer(op, self._local_dlist, pairs.local,
-                                                 self._remote_dlists[peer_id], pairs.remote, notify)
+            if pairs.layers is None:
+                xfer = self._agent.make_prepped_xfer(op, self._local_dlist, pairs.local,
+                                                     self._remote_dlists[peer_id], pairs.remote, notify)
+            else:
+                local, remote = self._layer_descs(self._peers[peer_id], pairs)
+                xfer = self._agent.initialize_xfer(op, local, remote, peer_id, notify)
             try:
                 status = self._agent.transfer(xfer)
             except _NIXL_ERRORS:
@@ -152,6 +158,21 @@ class NixlTransport(KvTransportBase[nixl_xfer_handle]):
         with _nixl_errors("release registered KV tensor"):
             self._local_dlist.release()
             self._agent.deregister_memory(self._registered)
+
+    def _layer_descs(self, peer: PeerMetadata, pairs: BlockPairs) -> tuple[object, object]:
+        """Local and remote descriptor lists of the pairs' runs of layers, one entry per run."""
+        runs = pairs.layer_runs().astype(np.uint64)  # (R, 4): local block, remote block, first layer, layers
+        per_block, per_layer = np.uint64(self.spec.bytes_per_block), np.uint64(self.spec.bytes_per_layer)
+        lists = []
+        for base, column, device, mem_type in (
+                (self.kv.data_ptr(), 0, self.kv.device.index or 0, PeerMetadata.mem_type_of(self.kv)),
+                (peer.base_addr, 1, peer.device_id, peer.mem_type)):
+            descs = np.empty((len(runs), 3), dtype=np.uint64)  # (R, 3): address, length, device
+            descs[:, 0] = np.uint64(base) + runs[:, column] * per_block + runs[:, 2] * per_layer
+            descs[:, 1] = runs[:, 3] * per_layer
+            descs[:, 2] = device
+            lists.append(self._agent.get_xfer_descs(descs, mem_type))
+        return lists[0], lists[1]
 
     def _prep_dlist(self, agent: str, base_addr: int, num_blocks: int, device_id: int,
                     mem_type: str) -> nixl_prepped_dlist_handle:

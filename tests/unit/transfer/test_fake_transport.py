@@ -74,6 +74,23 @@ def test_write_lands_blocks_in_place_and_notifies_after(prefill: FakeTransport, 
     assert [t.is_released for t in prefill.posted] == [True]
 
 
+def test_a_write_of_some_layers_lands_only_their_k_and_v(prefill: FakeTransport, decode: FakeTransport) -> None:
+    before = decode.kv.clone()
+    handle = prefill.write_blocks(D, ids(3, 0), ids(9, 2), b"", timeout_s=5, layers=[[1], [0, 1]])
+    assert handle.num_blocks == 2
+    run(prefill, handle)
+    expected = before.clone()
+    expected[9, 1] = prefill.kv[3, 1]  # (L, 2, tpb, kvh, hd) per block: layer 1's K and V
+    expected[2] = prefill.kv[0]
+    assert decode.kv.view(torch.uint8).equal(expected.view(torch.uint8))
+
+
+def test_bad_layers_post_nothing(prefill: FakeTransport, decode: FakeTransport) -> None:
+    with pytest.raises(InvalidRequestError, match="layers"):
+        prefill.write_blocks(D, ids(3), ids(9), b"", timeout_s=5, layers=[[2]])  # SPEC has 2 layers
+    assert prefill.posted == []
+
+
 def test_read_copies_from_the_peer_and_empty_notify_sends_nothing(prefill: FakeTransport,
                                                                   decode: FakeTransport) -> None:
     handle = prefill.read_blocks(D, ids(15, 1), ids(4, 5), b"", timeout_s=5)

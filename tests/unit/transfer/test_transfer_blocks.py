@@ -47,3 +47,25 @@ def test_bad_ids_raise_invalid_request_naming_the_argument(op: str, local: list,
 def test_a_repeated_source_is_allowed() -> None:
     pairs = pair_block_ids("WRITE", [2, 2], [0, 1], num_local_blocks=8, num_remote_blocks=16)
     assert pairs.local.tolist() == [2, 2]
+
+
+def test_layer_runs_split_each_pairs_layers_at_their_gaps() -> None:
+    pairs = pair_block_ids("WRITE", [3, 0, 7], [9, 2, 14], num_local_blocks=8, num_remote_blocks=16,
+                           layers=[[1, 2, 4], [0], [0, 1, 2, 3, 4, 5]], num_layers=6)
+    assert pairs.layer_runs().tolist() == [[3, 9, 1, 2], [3, 9, 4, 1], [0, 2, 0, 1], [7, 14, 0, 6]]
+    assert pair_block_ids("WRITE", [1], [1], 8, 8).layers is None
+
+
+@pytest.mark.parametrize(("layers", "message"), [
+    ([[0], [1]], "layers has 2 entries for 1 block pairs"),
+    ([[]], "layers []: must be ascending layer ids in [0, 4), at least one"),
+    ([[4]], "layers [4]: must be ascending layer ids in [0, 4), at least one"),
+    ([[-1, 2]], "layers [-1, 2]: must be ascending layer ids in [0, 4), at least one"),
+    ([[2, 1]], "layers [2, 1]: must be ascending layer ids in [0, 4), at least one"),
+    ([[1, 1]], "layers [1, 1]: must be ascending layer ids in [0, 4), at least one"),
+    ([[True]], "layers [True]: must be ascending layer ids in [0, 4), at least one"),
+])
+def test_bad_layers_raise_invalid_request(layers: list, message: str) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        pair_block_ids("WRITE", [0], [1], 8, 8, layers=layers, num_layers=4)
+    assert (str(raised.value), raised.value.param) == (message, "layers")

@@ -1,3 +1,4 @@
+import json
 from dataclasses import replace
 
 import pytest
@@ -91,3 +92,19 @@ def test_from_dict_refuses_invalid_values_and_inconsistent_bytes_per_block() -> 
     with pytest.raises(IncompatiblePeerError) as raised:
         KvLayoutSpec.from_dict({**SMOLLM2.to_dict(), "bytes_per_block": 1})
     assert str(raised.value) == "peer layout spec says bytes_per_block=1 but its fields give 368640"
+
+
+def test_layer_windows_travel_and_a_peer_with_other_windows_is_refused() -> None:
+    windowed = replace(SMOLLM2, layer_windows=(4096,) * 29 + (None,))
+    assert KvLayoutSpec.from_dict(json.loads(json.dumps(windowed.to_dict()))) == windowed
+    with pytest.raises(IncompatiblePeerError, match="layer_windows"):
+        check_compatible(windowed, replace(windowed, layer_windows=(2048,) * 29 + (None,)))
+    with pytest.raises(IncompatiblePeerError, match="layer_windows"):
+        check_compatible(windowed, SMOLLM2)
+    assert windowed.bytes_per_layer * 30 == windowed.bytes_per_block
+
+
+@pytest.mark.parametrize("windows", [(8,), (0,) * 30, (True,) * 30, [None] * 30])
+def test_layer_windows_are_empty_or_one_per_layer(windows) -> None:
+    with pytest.raises(ConfigError, match="layer_windows"):
+        replace(SMOLLM2, layer_windows=windows)

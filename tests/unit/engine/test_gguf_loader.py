@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pdserve.common.errors import ConfigError
-from pdserve.engine.loading.gguf_loader import hf_tensor_name, load_gguf, load_gguf_config, unpermute_rope_rows
+from pdserve.engine.loading.gguf_families import LLAMA, PHI3, hf_target
+from pdserve.engine.loading.gguf_loader import load_gguf, load_gguf_config, unpermute_rope_rows
 
 from gguf_builders import (FFN, HEAD_DIM, HIDDEN, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, VOCAB, llama_cpp_permute,
                            make_hf_weights, write_gguf)
@@ -69,7 +70,7 @@ def test_qk_biases_are_unpermuted_too(tmp_path):
 
 
 def test_other_architectures_raise_config_error_naming_it(tmp_path):
-    write_gguf(tmp_path / "m.gguf", make_hf_weights(untied=False), arch="qwen2")
+    write_gguf(tmp_path / "m.gguf", make_hf_weights(untied=False), arch="qwen2")  # served from HF files only
     with pytest.raises(ConfigError) as err:
         load_gguf(str(tmp_path / "m.gguf"))
     assert (err.value.field, err.value.value) == ("general.architecture", "qwen2")
@@ -86,10 +87,11 @@ def test_unknown_tensor_raises_config_error_naming_it(tmp_path):
 
 
 def test_hf_tensor_names():
-    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert hf_tensor_name("output.weight") == "lm_head.weight"
-    assert hf_tensor_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
-    assert hf_tensor_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
-    assert hf_tensor_name("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
+    assert hf_target(LLAMA, "token_embd.weight").name == "model.embed_tokens.weight"
+    assert hf_target(LLAMA, "output.weight").name == "lm_head.weight"
+    assert hf_target(LLAMA, "blk.12.attn_output.weight").name == "model.layers.12.self_attn.o_proj.weight"
+    assert hf_target(LLAMA, "blk.0.attn_q.bias").name == "model.layers.0.self_attn.q_proj.bias"
+    assert hf_target(LLAMA, "blk.3.ffn_norm.weight").name == "model.layers.3.post_attention_layernorm.weight"
+    assert hf_target(PHI3, "blk.0.attn_qkv.weight").name == "model.layers.0.self_attn.qkv_proj.weight"
     with pytest.raises(ConfigError):
-        hf_tensor_name("blk.0.attn_qkv.weight")
+        hf_target(LLAMA, "blk.0.attn_qkv.weight")

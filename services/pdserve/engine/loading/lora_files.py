@@ -26,6 +26,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TENSOR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGET_MODULES)
                           + r")\.lora_([AB])\.weight$")
+# A mixture's experts and router (Mixtral's block_sparse_moe; Qwen-MoE's mlp.experts and mlp.gate,
+# per expert or as PEFT's 3-D parameters): not LoRA targets, refused by name
+_MOE_TENSOR = re.compile(r"(?:^|\.)layers\.\d+\.(?:block_sparse_moe|mlp\.(?:experts|gate)\b)")
 _ID_MASK = (1 << 63) - 1  # block keys pack the id as a signed 64-bit integer
 
 
@@ -108,6 +111,9 @@ def _pair_modules(folder: Path, tensors: dict[str, torch.Tensor], config: _Confi
     scaling = alpha / r, or alpha / sqrt(r) with rsLoRA, as PEFT computes it."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
+        if _MOE_TENSOR.search(name):
+            raise ConfigError("lora_path", str(folder), f"tensor {name!r} adapts a mixture of experts' experts or "
+                              "router, which are not LoRA targets (its attention projections are)")
         match = _TENSOR_NAME.search(name)
         if match is None:
             raise ConfigError("lora_path", str(folder), f"tensor {name!r} is not a LoRA weight of "

@@ -115,6 +115,9 @@ class LoraAdapters:
             if layer >= self._config.num_layers:
                 raise ConfigError("lora_path", checkpoint.path, f"layer {layer}: the model has "
                                   f"{self._config.num_layers} layers (an adapter of another model?)")
+            if name in _FUSED[GATE_UP] + _FUSED[DOWN] and self._config.is_moe_layer(layer):
+                raise ConfigError("lora_path", checkpoint.path, f"layer {layer} {name}: the layer's MLP is a mixture "
+                                  "of experts, and experts are not LoRA targets (an adapter of another model?)")
             expected = projection_shape(self._config, name)
             if (module.b.shape[0], module.a.shape[1]) != expected:
                 raise ConfigError("lora_path", checkpoint.path, f"layer {layer} {name}: shape "

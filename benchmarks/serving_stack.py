@@ -233,30 +233,34 @@ def _truncated_tokenizer_json(tokenizer_json: str, vocab_size: int) -> str:
     return json.dumps(spec)
 
 
-def make_random_160m(directory: Path) -> tuple[Path, int]:
-    """A random-weight Llama (hidden 1024, 8 layers, vocab 32000, tied embeddings) saved with
-    a 32000-id tokenizer. Returns the directory and the parameter count."""
-    import torch
+def save_tokenizer(directory: Path, vocab_size: int):
+    """SmolLM2's tokenizer cut to `vocab_size` ids, saved in `directory` (a random-weight
+    checkpoint's, so prompts are real text); returns it."""
     from pdserve.common.model_source import default_model_path
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     gguf = Path(default_model_path())
     source = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer_file = directory / "tokenizer.json"
-    tokenizer_file.write_text(_truncated_tokenizer_json(source.backend_tokenizer.to_str(), 32000))
+    tokenizer_file.write_text(_truncated_tokenizer_json(source.backend_tokenizer.to_str(), vocab_size))
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), bos_token=source.bos_token,
                                         eos_token=source.eos_token, unk_token=source.unk_token)
     tokenizer.chat_template = source.chat_template
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def make_random_160m(directory: Path) -> tuple[Path, int]:
+    """A random-weight Llama (hidden 1024, 8 layers, vocab 32000, tied embeddings) saved with
+    a 32000-id tokenizer. Returns the directory and the parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = save_tokenizer(directory, 32000)
     torch.manual_seed(0)
     config = LlamaConfig(**RANDOM_160M, max_position_embeddings=2048, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          dtype="bfloat16")
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
     return directory, sum(p.numel() for p in model.parameters())

@@ -46,5 +46,5 @@ class PrefillResult:
     first_token: int
     logprob: TokenLogprob | None
     num_cached_tokens: int  # prompt tokens the prefill worker reused from its own cache
-    num_blocks: int  # blocks written to the decode worker
-    num_bytes: int
+    num_blocks: int  # blocks handed to the decode worker (some may lack window layers' slices)
+    num_bytes: int  # bytes written

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from pdserve.common.errors import ConfigError, IncompatiblePeerError
+from pdserve.kvcache.windows import SlidingWindows
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +78,11 @@ class KvLayoutSpec:
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one block: (num_layers, 2, tokens_per_block, num_kv_heads, head_dim)."""
         return (self.num_layers, 2, self.tokens_per_block, self.num_kv_heads, self.head_dim)
+
+    @property
+    def windows(self) -> SlidingWindows:
+        """The layers' sliding windows, as a hand-off reads them (`kvcache/windows.py`)."""
+        return SlidingWindows(self.layer_windows, self.tokens_per_block)
 
     @property
     def bytes_per_layer(self) -> int:

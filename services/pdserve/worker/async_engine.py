@@ -175,9 +175,10 @@ class ThreadedEngine:
             if len(finished) < request.sampling.n:
                 await self.abort(request.request_id)
 
-    async def complete_remote(self, request_id: RequestId, first_token: int, logprob=None) -> None:
-        """Decode side: the prompt's KV has landed; its outputs go to the request's stream."""
-        await self._query(Op.COMPLETE_REMOTE, request_id, first_token, logprob)
+    async def complete_remote(self, request_id: RequestId, first_token: int, logprob=None, skipped=()) -> None:
+        """Decode side: the prompt's KV has landed (but for the window slices `skipped`, kvcache's
+        SkippedSlices); its outputs go to the request's stream."""
+        await self._query(Op.COMPLETE_REMOTE, request_id, first_token, logprob, skipped)
 
     async def fail_remote(self, request_id: RequestId, recompute: bool, reason: str) -> None:
         """Decode side: the transfer failed (blocks quarantined); recompute here or end with an error."""

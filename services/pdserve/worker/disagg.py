@@ -9,8 +9,10 @@
                           a burst is shared with our own cores rather than queued there
                           until it times out), or no blocks are free
       else: reserve blocks (two-phase claim; our cached prefix is reused)
-            → the prefill worker computes the prompt and WRITEs only the blocks we lack
-            → its first token is emitted here and decoding continues in our batch
+            → the prefill worker computes the prompt and WRITEs only the blocks we lack, without
+              the window layers' slices no query from here on reaches (`kvcache/windows.py`)
+            → those slices are zeroed and their blocks marked for our cache, the first token is
+              emitted here and decoding continues in our batch
 
 Every wait is bounded. An order must start within `prefill_queue_timeout_s` (`start_by`) and
 land by `deadline`, `transfer_timeout_s` later: both absolute, fixed once before the blocks are
@@ -186,9 +188,12 @@ class DecodeEngine:
             return False
         finally:
             self._unqueue(address)
+        spec = self._peers.layout  # the peer skipped the same slices: it agreed to these windows
+        skipped = spec.windows.skipped(len(request.prompt_token_ids), order.first_block, len(order.dest_block_ids))
         self._metrics.transferred("received", result.num_blocks, result.num_bytes)
+        self._metrics.left_behind("received", skipped, spec.bytes_per_layer)
         self._metrics.remote_prefill_seconds.observe(time.perf_counter() - start)
-        await self._engine.complete_remote(request.request_id, result.first_token, result.logprob)
+        await self._engine.complete_remote(request.request_id, result.first_token, result.logprob, skipped)
         return True
 
 

@@ -68,7 +68,7 @@ class Op(enum.Enum):
     """What else the engine thread does between steps, for the worker's parts: a closed set (no
     callable reaches the thread), each answered with its result or typed error."""
     PING = "ping"  # nothing: the watchdog's proof that the thread takes commands
-    COMPLETE_REMOTE = "complete_remote"  # (request id, first token, logprob): engine.remote.complete
+    COMPLETE_REMOTE = "complete_remote"  # (request id, first token, logprob, skipped slices): engine.remote.complete
     FAIL_REMOTE = "fail_remote"  # (request id, recompute, reason): engine.remote.fail
     RELEASE_HELD = "release_held"  # (request id,): engine.remote.release_held
     ADD_LORA = "add_lora"  # (LoraCheckpoint,)

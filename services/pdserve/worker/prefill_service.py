@@ -2,7 +2,9 @@
 
 A prefill order runs the prompt as a prefill-only request (the engine holds its blocks after
 the first token), WRITEs the blocks the decode worker lacks into the blocks it reserved, and
-answers once every byte has landed. An order from a decode worker we have no handshake with
+answers once every byte has landed. A block out of some window layers' reach from the decode
+worker's first query on travels without their slices (`kvcache/windows.py`, from the layer
+windows both sides agreed on at the handshake); the decode worker leaves the same ones out. An order from a decode worker we have no handshake with
 (we restarted since) is refused before any compute, so the decode worker re-handshakes and
 retries; so is an order without a valid write grant (`write_grants.py`), a replayed one (a
 nonce seen before), and a handshake from a worker of another deployment.
@@ -20,7 +22,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import contextlib
 from contextlib import AbstractAsyncContextManager, aclosing
 
@@ -34,7 +36,8 @@ from pdserve.common.errors import (
     UnknownPeerError,
     WorkerError,
 )
-from pdserve.common.ids import RequestId, WorkerId
+from pdserve.common.ids import BlockId, RequestId, WorkerId
+from pdserve.kvcache.windows import SkippedSlices
 from pdserve.transfer.interface import KvTransport
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.metrics import TransferMetrics
@@ -113,13 +116,16 @@ class PrefillService:
                 raise InvalidRequestError(
                     f"prompt has {len(held)} blocks; cannot send {len(order.dest_block_ids)} from block "
                     f"{order.first_block}", "dest_block_ids")
+            spec = self._transport.spec
+            skipped = spec.windows.skipped(len(order.request.prompt_token_ids), order.first_block, len(source))
             started = time.perf_counter()
-            transfer = asyncio.ensure_future(asyncio.to_thread(self._write, order, source, deadline))
+            transfer = asyncio.ensure_future(asyncio.to_thread(self._write, order, source, skipped, deadline))
             await asyncio.shield(transfer)  # a call cancelled mid-write leaves the write to finish or stop
             self._metrics.transfer_seconds.observe(time.perf_counter() - started)
         finally:
             self._release_when_settled(request_id, transfer)
-        num_bytes = len(source) * self._transport.spec.bytes_per_block
+        self._metrics.left_behind("sent", skipped, spec.bytes_per_layer)
+        num_bytes = len(source) * spec.bytes_per_block - sum(len(s.layers) for s in skipped) * spec.bytes_per_layer
         logprob = first.logprobs[0] if first.logprobs else None
         return PrefillResult(first.token_ids[0], logprob, first.num_cached_tokens, len(source), num_bytes)
 
@@ -136,7 +142,7 @@ class PrefillService:
             raise PermissionDeniedError(f"order for {order.request.request_id!r} was sent before (a replayed nonce)")
         self._nonces[order.nonce] = deadline
 
-    def _write(self, order: PrefillOrder, source: list, deadline: float) -> None:
+    def _write(self, order: PrefillOrder, source: list, skipped: Sequence[SkippedSlices], deadline: float) -> None:
         """On a worker thread: NIXL's post and progress calls may block for a whole copy, and the
         event loop keeps serving gRPC meanwhile. The budget is what is left of `deadline`
         (time.monotonic()) now, after the wait for this thread. Raises _Unstoppable when the
@@ -144,7 +150,11 @@ class PrefillService:
         timeout_s = deadline - time.monotonic()
         if timeout_s <= 0:
             raise TransferError(f"deadline passed before writing {order.request.request_id!r}")
-        handle = self._transport.write_blocks(order.decode_worker_id, source, order.dest_block_ids, b"", timeout_s)
+        local, remote, layers = slices_to_send(source, order.dest_block_ids, order.first_block, skipped,
+                                               self._transport.spec.num_layers)
+        if not local:  # every layer has a window, and no block is within reach
+            return
+        handle = self._transport.write_blocks(order.decode_worker_id, local, remote, b"", timeout_s, layers)
         try:
             self._transport.wait(handle)
         finally:
@@ -180,6 +190,21 @@ class PrefillService:
             raise WorkerError(f"prefill of {order.request.request_id!r} failed: "
                               f"{first.error if first else 'no output'}")
         return first
+
+
+def slices_to_send(source: Sequence[BlockId], dest: Sequence[BlockId], first_block: int,
+                   skipped: Sequence[SkippedSlices], num_layers: int) -> tuple[list, list, list | None]:
+    """(our blocks, the peer's, each pair's layers or None: whole blocks) of a hand-off of prompt
+    blocks from `first_block`, leaving `skipped` behind; a block with no layer left is not named."""
+    if not skipped:
+        return list(source), list(dest), None
+    left = {s.block_index - first_block: set(s.layers) for s in skipped}
+    kept = [(src, dst, [layer for layer in range(num_layers) if layer not in left.get(i, ())])
+            for i, (src, dst) in enumerate(zip(source, dest))]
+    kept = [pair for pair in kept if pair[2]]
+    layers = [p[2] for p in kept]
+    is_whole = all(len(pair_layers) == num_layers for pair_layers in layers)  # the prepared descriptors serve
+    return [p[0] for p in kept], [p[1] for p in kept], None if is_whole else layers
 
 
 def _local_times(order: PrefillOrder) -> tuple[float, float]:

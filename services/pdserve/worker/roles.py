@@ -68,8 +68,14 @@ def make_transport(settings: WorkerSettings, threaded: ThreadedEngine) -> KvTran
     from pdserve.transfer.nixl_transport import NixlTransport  # only roles that move KV load NIXL
 
     kv = threaded.engine.runner.kv_tensor
-    spec = KvLayoutSpec.for_tensor(settings.model_name, kv)
-    return NixlTransport(WorkerId(settings.peer_name), kv, spec)
+    return NixlTransport(WorkerId(settings.peer_name), kv, kv_layout(settings.model_name, threaded.engine.runner))
+
+
+def kv_layout(model_name: str, runner) -> KvLayoutSpec:
+    """The layout of a `ModelRunner`'s KV blocks, its layers' sliding windows included."""
+    config = runner.config
+    windows = tuple(config.window_of(layer) for layer in range(config.num_layers))
+    return KvLayoutSpec.for_tensor(model_name, runner.kv_tensor, layer_windows=windows)
 
 
 async def run_background(parts: RoleParts, threaded: ThreadedEngine, metrics: TransferMetrics) -> None:

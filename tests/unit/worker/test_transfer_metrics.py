@@ -15,6 +15,8 @@ def test_a_decode_workers_series_start_at_zero_for_every_fallback_reason() -> No
     lines = set(generate_latest(metrics.registry).decode().splitlines())
     assert 'pdserve_kv_transfer_failures_total{direction="received"} 0.0' in lines
     assert 'pdserve_kv_transfer_bytes_total{direction="received"} 0.0' in lines
+    assert 'pdserve_kv_window_skipped_blocks_total{direction="received"} 0.0' in lines
+    assert 'pdserve_kv_window_skipped_bytes_total{direction="received"} 0.0' in lines
     assert {f'pdserve_local_prefills_total{{reason="{r}"}} 0.0' for r in LOCAL_PREFILL_REASONS} <= lines
     assert not [line for line in lines if 'direction="sent"' in line]
 

@@ -10,6 +10,7 @@ completed, failed or expired hand-off does to the engine's requests. It is a par
 and acts through it: the request table, the admission checks, new sequences, the copies between
 tiers and token emission are the engine's.
 """
+from collections.abc import Sequence
 from dataclasses import replace
 
 from pdserve.common.errors import OutOfBlocksError, TransferError
@@ -18,6 +19,7 @@ from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.engine.core.sequence import SeqStatus
 from pdserve.engine.model.sampler import SamplingRow
 from pdserve.kvcache import ClaimResult
+from pdserve.kvcache.windows import SkippedSlices
 
 
 class RemotePrefill:
@@ -71,12 +73,20 @@ class RemotePrefill:
         engine._requests[request.request_id] = [seq]
         return claim
 
-    def complete(self, request_id: RequestId, first_token: int, logprob=None) -> list[RequestOutput]:
-        """Decode side: the prompt's KV has landed; the first token (sampled by the peer) is emitted.
-        Nothing happens once the lease has ended (the request ended then)."""
+    def complete(self, request_id: RequestId, first_token: int, logprob=None,
+                 skipped: Sequence[SkippedSlices] = ()) -> list[RequestOutput]:
+        """Decode side: the prompt's KV has landed, but for the window layers' slices `skipped`
+        (`kvcache/windows.py`), which are zeroed here and marked for the cache before its blocks
+        are published; the first token (sampled by the peer) is emitted. Nothing happens once the
+        lease has ended (the request ended then)."""
         engine = self._engine
-        if engine.handoffs.get(request_id) is None:
+        held = engine.handoffs.get(request_id)
+        if held is None:
             return []
+        if skipped:
+            block_ids = engine.kv.block_ids(held.seq_id)
+            engine.runner.kv.zero_layers([(block_ids[s.block_index], s.layers) for s in skipped])
+            engine.kv.lack_slices(held.seq_id, skipped)
         seq = engine.handoffs.complete(request_id)
         if seq.aborted:
             return []

@@ -12,6 +12,7 @@ scale and multiplied back on read.
 """
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -178,6 +179,23 @@ class PagedKvCache:
         src = torch.tensor(src_ids, dtype=torch.int64, device=device)
         dst = torch.tensor(dst_ids, dtype=torch.int64, device=device)
         self._block_bytes.index_copy_(0, dst, self._block_bytes.index_select(0, src))
+
+    def zero_layers(self, slices: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Zero the K and V of layers `layers` of block `block_id`, for each (block_id, layers): the
+        slices a peer did not send. Their bytes were another block's, or anything a failed write
+        left; a masked key still meets its value in the torch path's products (0 * NaN is NaN)."""
+        num_blocks, num_layers = self.num_blocks, self.num_layers
+        by_layers: dict[tuple[int, ...], list[int]] = {}
+        for block_id, layers in slices:
+            if not 0 <= block_id < num_blocks or not all(0 <= layer < num_layers for layer in layers):
+                raise InvalidRequestError(f"block {block_id} layers {list(layers)} outside the KV tensor", "slices")
+            by_layers.setdefault(tuple(layers), []).append(block_id)
+        per_layer = self._block_bytes.view(num_blocks, num_layers, -1)  # (N, L, bytes of a layer's K and V)
+        device = self.tensor.device
+        for layers, block_ids in by_layers.items():
+            rows = torch.tensor(block_ids, dtype=torch.int64, device=device).unsqueeze(1)  # (B, 1)
+            columns = torch.tensor(layers, dtype=torch.int64, device=device).unsqueeze(0)  # (1, l)
+            per_layer[rows, columns] = 0
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_quantized:

@@ -29,6 +29,7 @@ from pdserve.common.pki import PREFILL_WORKER_NAME, identity_name
 from pdserve.common.tls import TlsConfig, identity_of_worker, speaks_for
 from pdserve.rpc.kv_transfer_client import KvTransferClient
 from pdserve.transfer.interface import KvTransport
+from pdserve.transfer.layout import KvLayoutSpec
 from pdserve.worker.kv.write_grants import granted, new_order_key
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,11 @@ class PrefillPeers:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         # (address, identity expected there) -> when to dial it again after a failed handshake
         self._retry_at: dict[tuple[str, str | None], float] = {}
+
+    @property
+    def layout(self) -> KvLayoutSpec:
+        """Our KV layout, which every peer agreed to at its handshake (windows included)."""
+        return self._transport.spec
 
     async def get(self, address: str, worker_id: str | None = None) -> PrefillPeer:
         """The connected peer at `address`: under TLS, with `worker_id` (a worker id or an

@@ -61,7 +61,10 @@ def test_config_matches_transformers_config(ours, hf_model):
     assert config["head_dim"] == hf.head_dim == 64
     assert config["vocab_size"] == hf.vocab_size == 49152
     assert config["max_position_embeddings"] == hf.max_position_embeddings == 8192
-    assert config["rms_norm_eps"] == hf.rms_norm_eps
+    # The file's float32; transformers gives it as is (9.9999997e-06), pdserve as the decimal the
+    # converter was given (gguf_config), the config.json's own 1e-05.
+    assert config["rms_norm_eps"] == 1e-05
+    assert torch.tensor(config["rms_norm_eps"]).item() == hf.rms_norm_eps  # the same float32
     assert config["rope_theta"] == hf.rope_parameters["rope_theta"] == 100000.0
     assert (config["bos_token_id"], config["eos_token_id"]) == (hf.bos_token_id, hf.eos_token_id) == (1, 2)
 

@@ -37,8 +37,9 @@ def parse_args() -> argparse.Namespace:
 def model_with(module, packed: bool, blocked_rows: int):
     """A weightless NativeModel, only for its `linear` (the layers' own dispatch)."""
     e = torch.zeros(4, 64, dtype=torch.bfloat16)
-    return module.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, [], torch.ones(16), 1, 1, 64, 1e-5, 0,
-                              packed, blocked_rows)
+    return module.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, layers=[], ropes=[], num_heads=1,
+                              num_kv_heads=1, head_dim=64, eps=1e-5, attention_scale=0.125, embed_scale=None,
+                              packed=packed, blocked_rows=blocked_rows)
 
 
 def kernels_of(module, plains: list[torch.Tensor], max_rows: int) -> dict:

@@ -17,8 +17,9 @@ def matmul_model(native, packed: bool, blocked_rows: int = 0):
     """A weightless model for its `linear`; with `blocked_rows` only where oneDNN packs in the
     layout `blocked_linear` reads (the model trusts the check `NativeForward` makes at load)."""
     e = torch.zeros(4, 64, dtype=torch.bfloat16)
-    return native.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, [], torch.ones(16), 1, 1, 64, 1e-5, 0,
-                              packed, blocked_rows)
+    return native.NativeModel(e, torch.ones(64, dtype=torch.bfloat16), e, layers=[], ropes=[], num_heads=1,
+                              num_kv_heads=1, head_dim=64, eps=1e-5, attention_scale=0.125, embed_scale=None,
+                              packed=packed, blocked_rows=blocked_rows)
 
 
 SHAPES = [(1, 64, 576), (3, 37, 100), (5, 16, 32), (16, 9, 1536), (70, 130, 31), (7, 192, 1536), (13, 960, 576),

@@ -11,8 +11,9 @@ import torch
 from pdserve.common.errors import ConfigError
 from pdserve.engine.loading.mapped_pages import release_copied_pages
 from pdserve.engine.model.batch import ForwardBatch
-from pdserve.engine.model.decoder import CausalLM
+from pdserve.engine.model.decoder import CausalLM, DecoderLayer
 from pdserve.engine.model.kv_tensor import PagedKvCache
+from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding
 from pdserve.engine.model.lora import NO_LORA, AdapterLayer, LoraStep
 from pdserve.engine.model.native import KERNEL_CHOICES, KernelsUnavailable, load_native
 
@@ -75,9 +76,8 @@ def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:
         return f"KV cache dtype {kv.tensor.dtype} differs from the model's"
     if c.head_dim % 32 or c.hidden_size % 16 or c.intermediate_size % 16:
         return "head_dim must be a multiple of 32, hidden and intermediate sizes of 16"
-    if (c.qk_norm or c.sandwich_norms or c.layer_windows or c.local_rope or c.embed_scale or c.query_scale
-            or c.activation != "silu" or c.moe is not None or c.rope_scaling.__class__.__name__ in ("LongRopeScaling", "LinearRopeScaling")):
-        return f"{c.architecture}'s layers are not yet on the native kernels"
+    if c.moe is not None:
+        return "mixture-of-experts layers (the native kernels run dense MLPs only)"
     return None
 
 
@@ -100,6 +100,25 @@ def build_native(model: CausalLM, kv: PagedKvCache, kernels: str, cache_dir: str
     except KernelsUnavailable as exc:
         raise ConfigError("kernels", kernels, str(exc)) from None
     return None if module is None else NativeForward(model, module)
+
+
+def layer_spec(layer: DecoderLayer, matrices: list[torch.Tensor]) -> tuple:
+    """A layer as `NativeModel` takes it (native/layer.h): its weight slots in the order the
+    layer reads them (None where absent), its window, its rope's index and its activation."""
+    qkv, o_proj, gate_up, down = matrices
+    slots = [layer.input_norm.weight, qkv, layer.qkv_bias, _weight(layer.q_norm), _weight(layer.k_norm), o_proj,
+             layer.o_bias, _weight(layer.attn_out_norm), layer.post_norm.weight, gate_up, layer.mlp.gate_up_bias,
+             down, layer.mlp.down_bias, _weight(layer.mlp_out_norm)]
+    return slots, layer.window, layer.rope, layer.mlp.activation
+
+
+def rope_spec(rope: RotaryEmbedding) -> tuple:
+    """A rope variant as `NativeModel` takes it (native/rope.h)."""
+    return rope.inv_freq, rope.long_inv_freq, rope.long_from, rope.attention_factor
+
+
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 class NativeForward:
@@ -137,13 +156,12 @@ class NativeForward:
             if model.lm_head is not model.embed:
                 release_copied_pages([model.lm_head])
             model.drop_matrices()
-        layers = [[layer.input_norm.weight, qkv, layer.qkv_bias, o_proj, layer.o_bias, layer.post_norm.weight,
-                   gate_up, layer.mlp.gate_up_bias, down, layer.mlp.down_bias]
-                  for layer, (qkv, o_proj, gate_up, down) in zip(model.layers, matrices, strict=True)]
         self._model = module.NativeModel(
-            model.embed, model.norm.weight, lm_head, layers, model.ropes[0].inv_freq, c.num_heads,
-            c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.sliding_window or 0, form == "onednn",
-            blocked_rows(layouts_read))
+            embed=model.embed, final_norm=model.norm.weight, lm_head=lm_head,
+            layers=[layer_spec(layer, m) for layer, m in zip(model.layers, matrices, strict=True)],
+            ropes=[rope_spec(rope) for rope in model.ropes], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, eps=c.rms_norm_eps, attention_scale=c.attention_scale,
+            embed_scale=model.embed_scale, packed=form == "onednn", blocked_rows=blocked_rows(layouts_read))
         self._threads: torch.Tensor | None = None  # the count a step follows, kept alive here
 
     def lora_weights(self, layers: tuple[AdapterLayer, ...]) -> object:

@@ -1,8 +1,10 @@
-// The whole decoder forward of a Llama-family model in one call: embedding, every layer,
-// final norm and LM head, over a step's flattened tokens and the paged KV tensor. Python
-// builds four small tensors per step (token ids, segments, block tables, logit rows); every
-// per-layer operation runs here, with no Python between them. LoRA adapters' deltas are added
-// to their own rows after each projection.
+// The whole decoder forward in one call: embedding, every layer, final norm and LM head, over a
+// step's flattened tokens and the paged KV tensor. Python builds four small tensors per step
+// (token ids, segments, block tables, logit rows); every per-layer operation runs here, with no
+// Python between them. LoRA adapters' deltas are added to their own rows after each projection.
+// The families' differences (decoder.py) are each layer's: q/k norms, Gemma's norms of the
+// sublayers' outputs, its window, its rope variant and its MLP's activation; and the model's:
+// the embedding's scale and the attention's score scale.
 //
 // The same file is built once per ISA level (setup.py): the level's kernels come from its
 // folder, chosen by what the build enables.
@@ -18,14 +20,22 @@
 #include "avx2/level.h"
 #endif
 #include "avx2/panel_linear.h"
+#include "head_norms.h"
+#include "layer.h"
 #include "lora.h"
 #include "onednn_linear.h"
+#include "rope.h"
 
 namespace pdserve {
 
 template <typename T>
 T* data(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
+}
+
+template <typename T>
+const T* optional_data(const at::Tensor& t) {  // null where undefined
+  return t.defined() ? data<T>(t) : nullptr;
 }
 
 // Segments are read in place as `Segment` rows.
@@ -37,43 +47,21 @@ inline void check_segments(const at::Tensor& segments, const at::Tensor& tables)
               "one contiguous row of block ids per segment");
 }
 
-// One of the model's matrices as this level multiplies it.
-struct Matrix {
-  at::Tensor w;           // plain (N, K); oneDNN's packing (opaque); or panels (ceil(N / 16), K, 16)
-  int64_t columns = 0;    // N
-  const bf16* blocked = nullptr;  // oneDNN's packed bytes where `blocked_linear` may read them
-};
-
-struct Layer {
-  at::Tensor input_norm, qkv_bias, o_bias, post_norm, gate_up_bias, down_bias;
-  Matrix qkv, o_proj, gate_up, down;
-};
-
 class NativeModel {
  public:
-  NativeModel(at::Tensor embed, at::Tensor final_norm, at::Tensor lm_head,
-              std::vector<std::vector<c10::optional<at::Tensor>>> layers, at::Tensor inv_freq, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window, bool packed, int64_t blocked_rows)
-      : embed_(embed), final_norm_(final_norm), inv_freq_(inv_freq), num_heads_(num_heads),
-        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(float(eps)), window_(window), packed_(packed),
-        blocked_rows_(packed ? blocked_rows : 0) {
+  NativeModel(at::Tensor embed, at::Tensor final_norm, at::Tensor lm_head, const std::vector<LayerSpec>& layers,
+              const std::vector<RopeSpec>& ropes, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              double eps, double attention_scale, c10::optional<double> embed_scale, bool packed,
+              int64_t blocked_rows)
+      : embed_(embed), final_norm_(final_norm), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim), eps_(float(eps)), attention_scale_(float(attention_scale)), embed_scale_(embed_scale),
+        packed_(packed), blocked_rows_(packed ? blocked_rows : 0) {
     TORCH_CHECK(embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16,
                 "native kernels run float32 or bfloat16 weights");
     TORCH_CHECK(head_dim % 32 == 0 && embed.size(1) % 16 == 0, "native kernels need head_dim % 32 == 0");
-    const int64_t hidden = embed.size(1), qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
-    for (auto& w : layers) {
-      TORCH_CHECK(w.size() == 10, "a layer has 10 weight slots");
-      auto get = [&](int i) {  // packed weights are opaque oneDNN tensors, kept as they are
-        if (!w[i].has_value()) return at::Tensor();
-        return w[i]->layout() == at::kStrided ? w[i]->contiguous() : *w[i];
-      };
-      Layer layer{get(0), get(2), get(4), get(5), get(7), get(9)};
-      layer.down = matrix(get(8), hidden);
-      layer.qkv = matrix(get(1), qkv_width);
-      layer.o_proj = matrix(get(3), hidden);
-      layer.gate_up = matrix(get(6), 2 * layer.down.w.size(1));
-      layers_.push_back(layer);
-    }
+    for (const auto& [inv_freq, long_inv_freq, long_from, factor] : ropes)
+      ropes_.push_back(Rope{inv_freq.contiguous(), long_inv_freq.value_or(at::Tensor()), long_from, factor});
+    for (const LayerSpec& spec : layers) layers_.push_back(layer_of(spec));
     lm_head_ = matrix(lm_head, embed.size(0));
   }
 
@@ -117,14 +105,14 @@ class NativeModel {
     at::Tensor positions = at::empty({token_ids.size(0)}, at::kLong);
     at::Tensor token_rows = at::empty_like(positions);
     fill_rows(segments, tables, num_layers, tpb, data<int64_t>(positions), data<int64_t>(token_rows));
-    at::Tensor angles = at::outer(positions.to(at::kFloat), inv_freq_);  // (T, hd/2)
-    at::Tensor cos = angles.cos(), sin = angles.sin();
-    at::Tensor cos_full = at::cat({cos, cos}, -1).to(embed_.scalar_type()).contiguous();
-    at::Tensor signed_sin = at::cat({-sin, sin}, -1).to(embed_.scalar_type()).contiguous();
+    std::vector<std::pair<at::Tensor, at::Tensor>> rotations;  // (cos, signed sin) (T, hd) per rope variant
+    for (const Rope& rope : ropes_) rotations.push_back(cos_sin(rope, positions, embed_.scalar_type()));
     at::Tensor h = embed_.index_select(0, token_ids);  // (T, H)
+    if (embed_scale_) h.mul_(*embed_scale_);  // as decoder.py scales (Gemma), the factor already in the dtype's steps
     for (int64_t i = 0; i < num_layers; ++i) {
       follow_thread_count();
-      h = layer<T>(layers_[i], i, h, cos_full, signed_sin, token_rows, segments, tables, kv, lora);
+      const auto& [cos, sin] = rotations[layers_[i].rope];
+      h = layer<T>(layers_[i], i, h, cos, sin, token_rows, segments, tables, kv, lora);
     }
     if (logit_rows.size(0) == 0) return at::empty({0, embed_.size(0)}, at::kFloat);
     follow_thread_count();
@@ -140,28 +128,35 @@ class NativeModel {
     const at::Tensor x = norm<T>(h, w.input_norm);
     at::Tensor qkv = linear_(x, w.qkv, w.qkv_bias, at::Tensor());  // (T, (nh + 2 kvh) hd)
     add_lora(qkv, x, lora, index, kQkv);
+    const HeadNorms<T> norms{optional_data<T>(w.q_norm), optional_data<T>(w.k_norm), eps_};
     rope_and_store<T>(data<T>(qkv), tokens, num_heads_, kvh, hd, data<T>(cos), data<T>(sin), data<T>(kv), index,
-                      kv.size(3), data<int64_t>(token_rows));
-    at::Tensor attn = attention<T>(qkv, index, segments, tables, kv);
-    at::Tensor h2 = projection_with_residual(attn, w.o_proj, w.o_bias, h, lora, index, kOProj);
+                      kv.size(3), data<int64_t>(token_rows), norms);
+    at::Tensor attn = attention<T>(qkv, index, w.window, segments, tables, kv);
+    at::Tensor h2 = residual_plus<T>(attn, w.o_proj, w.o_bias, w.attn_out_norm, h, lora, index, kOProj);
     const at::Tensor x2 = norm<T>(h2, w.post_norm);
     at::Tensor gate_up = linear_(x2, w.gate_up, w.gate_up_bias, at::Tensor());
     add_lora(gate_up, x2, lora, index, kGateUp);
     const int64_t inter = gate_up.size(1) / 2;
     at::Tensor act = at::empty({tokens, inter}, h.options());
-    silu_mul<T>(data<T>(gate_up), tokens, inter, data<T>(act));
-    return projection_with_residual(act, w.down, w.down_bias, h2, lora, index, kDown);
+    gated_activation<T>(data<T>(gate_up), tokens, inter, w.activation, data<T>(act));
+    return residual_plus<T>(act, w.down, w.down_bias, w.mlp_out_norm, h2, lora, index, kDown);
   }
 
-  // residual + x . w^T + bias: the residual fused into the product, unless an adapter adds to
-  // this projection (then added after the deltas, rounding where the torch path rounds).
-  at::Tensor projection_with_residual(const at::Tensor& x, const Matrix& w, const at::Tensor& bias,
-                                      const at::Tensor& residual, const std::vector<LoraGroup>& lora, int64_t layer,
-                                      Projection p) const {
-    if (!has_lora(lora, layer, p)) return linear_(x, w, bias, residual);
+  // residual + x . w^T + bias, or residual + out_norm(x . w^T + bias) where the layer norms its
+  // sublayer's output (Gemma). The residual is fused into the product unless something comes
+  // between: an adapter's deltas on this projection, or the norm (then added after them,
+  // rounding where the torch path rounds).
+  template <typename T>
+  at::Tensor residual_plus(const at::Tensor& x, const Matrix& w, const at::Tensor& bias, const at::Tensor& out_norm,
+                           const at::Tensor& residual, const std::vector<LoraGroup>& lora, int64_t layer,
+                           Projection p) const {
+    if (!out_norm.defined() && !has_lora(lora, layer, p)) return linear_(x, w, bias, residual);
     at::Tensor y = linear_(x, w, bias, at::Tensor());
     add_lora(y, x, lora, layer, p);
-    return residual + y;
+    if (!out_norm.defined()) return residual + y;
+    at::Tensor out = at::empty_like(y);
+    rms_norm_add<T>(data<T>(y), y.size(0), y.size(1), data<T>(out_norm), eps_, data<T>(residual), data<T>(out));
+    return out;
   }
 
   // In float32 (where kFlashFloatPrompts), chunks that start a sequence (no cached prefix, no
@@ -169,15 +164,15 @@ class NativeModel {
   // kernel on long prompts; in bf16 the packed tile kernel beats both, so every chunk reads the
   // paged KV in place.
   template <typename T>
-  at::Tensor attention(const at::Tensor& qkv, int64_t layer, const at::Tensor& segments, const at::Tensor& tables,
-                       const at::Tensor& kv) const {
+  at::Tensor attention(const at::Tensor& qkv, int64_t layer, int64_t window, const at::Tensor& segments,
+                       const at::Tensor& tables, const at::Tensor& kv) const {
     const int64_t hd = head_dim_, kvh = num_kv_heads_, nh = num_heads_;
-    const float scale = 1.0f / std::sqrt(float(hd));
+    const float scale = attention_scale_;
     at::Tensor attn = at::empty({qkv.size(0), nh * hd}, qkv.options());
     const Segment* segs = reinterpret_cast<const Segment*>(segments.data_ptr());
     std::vector<int32_t> paged;
     for (int32_t s = 0; s < segments.size(0); ++s) {
-      if (!kFlashFloatPrompts || std::is_same_v<T, bf16> || segs[s].start_pos != 0 || window_ != 0 ||
+      if (!kFlashFloatPrompts || std::is_same_v<T, bf16> || segs[s].start_pos != 0 || window != 0 ||
           segs[s].q_len < kQueryTile) {
         paged.push_back(s);
         continue;
@@ -192,7 +187,7 @@ class NativeModel {
     }
     if (!paged.empty()) {
       AttentionArgs<T> args{data<T>(qkv), qkv.size(1), nh, data<T>(kv), KvLayout{kv.size(1), kv.size(3), kvh, hd},
-                            layer, segs, segments.size(0), data<int32_t>(tables), tables.size(1), scale, window_,
+                            layer, segs, segments.size(0), data<int32_t>(tables), tables.size(1), scale, window,
                             data<T>(attn)};
       paged_attention<T>(args, paged);
     }
@@ -215,6 +210,28 @@ class NativeModel {
     if (packed_) return packed_linear(x, w.w, bias, residual);
     at::Tensor y = at::linear(x, w.w, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     return residual.defined() ? residual + y : y;
+  }
+
+  Layer layer_of(const LayerSpec& spec) const {
+    const auto& [w, window, rope, activation] = spec;
+    TORCH_CHECK(w.size() == kLayerSlots, "a layer has ", kLayerSlots, " weight slots");
+    TORCH_CHECK(rope >= 0 && rope < int64_t(ropes_.size()), "rope ", rope, " of ", ropes_.size());
+    TORCH_CHECK(!window || *window > 0, "a window is a positive count of keys");
+    auto get = [&](int i) {  // packed weights are opaque oneDNN tensors, kept as they are
+      if (!w[i].has_value()) return at::Tensor();
+      return w[i]->layout() == at::kStrided ? w[i]->contiguous() : *w[i];
+    };
+    Layer layer{get(0), get(2), get(3), get(4), get(6), get(7), get(8), get(10), get(12), get(13)};
+    TORCH_CHECK(layer.q_norm.defined() == layer.k_norm.defined(), "q and k heads are normed both or neither");
+    const int64_t hidden = embed_.size(1), qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
+    layer.down = matrix(get(11), hidden);
+    layer.qkv = matrix(get(1), qkv_width);
+    layer.o_proj = matrix(get(5), hidden);
+    layer.gate_up = matrix(get(9), 2 * layer.down.w.size(1));
+    layer.window = window.value_or(0);
+    layer.rope = rope;
+    layer.activation = activation_named(activation);
+    return layer;
   }
 
   // `w` with its width and, where `blocked_linear` may read it (packed weights only, when the
@@ -247,13 +264,14 @@ class NativeModel {
     }
   }
 
-  at::Tensor embed_, final_norm_, inv_freq_;
+  at::Tensor embed_, final_norm_;
   Matrix lm_head_;
   at::Tensor threads_;  // undefined: no thread count to follow
   std::vector<Layer> layers_;
+  std::vector<Rope> ropes_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  float eps_;
-  int64_t window_;
+  float eps_, attention_scale_;
+  c10::optional<double> embed_scale_;
   bool packed_;
   int64_t blocked_rows_;  // steps of at most this many rows read packed weights with `blocked_linear`
 };
@@ -292,8 +310,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<pdserve::LoraWeights, std::shared_ptr<pdserve::LoraWeights>>(m, "LoraWeights", py::module_local())
       .def(py::init<const std::vector<std::vector<c10::optional<std::vector<at::Tensor>>>>&>());
   py::class_<pdserve::NativeModel>(m, "NativeModel", py::module_local())
-      .def(py::init<at::Tensor, at::Tensor, at::Tensor, std::vector<std::vector<c10::optional<at::Tensor>>>,
-                    at::Tensor, int64_t, int64_t, int64_t, double, int64_t, bool, int64_t>())
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, const std::vector<pdserve::LayerSpec>&,
+                    const std::vector<pdserve::RopeSpec>&, int64_t, int64_t, int64_t, double, double,
+                    c10::optional<double>, bool, int64_t>(),
+           py::arg("embed"), py::arg("final_norm"), py::arg("lm_head"), py::arg("layers"), py::arg("ropes"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("attention_scale"), py::arg("embed_scale"), py::arg("packed"), py::arg("blocked_rows"))
       .def("forward", &pdserve::NativeModel::forward, py::arg("token_ids"), py::arg("segments"), py::arg("tables"),
            py::arg("logit_rows"), py::arg("kv"), py::arg("lora") = std::vector<pdserve::LoraGroup>(),
            py::call_guard<py::gil_scoped_release>())

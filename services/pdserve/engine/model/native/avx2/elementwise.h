@@ -68,8 +68,8 @@ void gated_activation(const T* gate_up, int64_t rows, int64_t I, Activation act,
       const T* gate = gate_up + r * 2 * I;
       for (int64_t i = 0; i < I; i += 8) {
         const __m256 g = load8(gate + i);
-        const __m256 z = gelu ? _mm256_mul_ps(z_scale, _mm256_fmadd_ps(_mm256_mul_ps(cubic, g), _mm256_mul_ps(g, g), g))
-                              : g;
+        const __m256 cubed = _mm256_mul_ps(_mm256_mul_ps(cubic, g), _mm256_mul_ps(g, g));
+        const __m256 z = gelu ? _mm256_mul_ps(z_scale, _mm256_add_ps(g, cubed)) : g;
         const __m256 a = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, z))));
         store8(out + r * I + i, _mm256_mul_ps(round8<T>(a), load8(gate + I + i)));
       }

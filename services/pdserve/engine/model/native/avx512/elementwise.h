@@ -1,4 +1,4 @@
-// Per-token kernels of a Llama layer, 16 lanes at a time (widths are multiples of 16; the
+// Per-token kernels of a decoder layer, 16 lanes at a time (widths are multiples of 16; the
 // caller checks). Each rounds where the torch ops it replaces round, so the native path
 // computes what `engine/layers.py` computes, in one pass over memory instead of several.
 #pragma once
@@ -7,37 +7,70 @@
 #include <cmath>
 #include <cstring>
 
+#include "../activation.h"
+#include "../head_norms.h"
 #include "vec.h"
 
 namespace pdserve {
 
-// out = (x * rsqrt(mean(x^2) + eps) rounded to T) * weight, per row of H (as F.rms_norm and HF).
+// 1 / sqrt(mean(x^2) + eps) over a row of H, in every lane.
+template <typename T>
+inline __m512 inverse_rms(const T* x, int64_t H, float eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) squares = _mm512_fmadd_ps(load16(x + i), load16(x + i), squares);
+  return _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(H) + eps));
+}
+
+// One row of H: out = (x * rsqrt(mean(x^2) + eps) rounded to T) * weight (as F.rms_norm and HF);
+// out may be x.
+template <typename T>
+inline void norm_row(const T* x, int64_t H, const T* weight, float eps, T* out) {
+  const __m512 inv = inverse_rms(x, H, eps);
+  for (int64_t i = 0; i < H; i += 16)
+    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(load16(x + i), inv)), load16(weight + i)));
+}
+
+// norm_row over rows of H.
 template <typename T>
 void rms_norm(const T* x, int64_t rows, int64_t H, const T* weight, float eps, T* out) {
   at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) norm_row(x + r * H, H, weight, eps, out + r * H);
+  });
+}
+
+// out = residual + rms_norm(x), the norm rounded to T before the add, in one pass (Gemma's
+// norms of a sublayer's output: `h + norm(out)` in decoder.py).
+template <typename T>
+void rms_norm_add(const T* x, int64_t rows, int64_t H, const T* weight, float eps, const T* residual, T* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const T* xr = x + r * H;
-      __m512 squares = _mm512_setzero_ps();
-      for (int64_t i = 0; i < H; i += 16) squares = _mm512_fmadd_ps(load16(xr + i), load16(xr + i), squares);
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(H) + eps));
-      for (int64_t i = 0; i < H; i += 16)
-        store16(out + r * H + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(load16(xr + i), inv)), load16(weight + i)));
+      const __m512 inv = inverse_rms(xr, H, eps);
+      for (int64_t i = 0; i < H; i += 16) {
+        const __m512 y = _mm512_mul_ps(round16<T>(_mm512_mul_ps(load16(xr + i), inv)), load16(weight + i));
+        store16(out + r * H + i, _mm512_add_ps(load16(residual + r * H + i), round16<T>(y)));
+      }
     }
   });
 }
 
-// gate_up (rows, 2I) = [gate | up] -> out (rows, I) = silu(gate) * up, rounded as
-// F.silu(gate) * up rounds.
+// gate_up (rows, 2I) = [gate | up] -> out (rows, I) = act(gate) * up, rounded as
+// F.silu(gate) * up (or F.gelu(gate, approximate="tanh") * up) rounds: gate * sigmoid(z)
+// (../activation.h).
 template <typename T>
-void silu_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
-  const __m512 one = _mm512_set1_ps(1.0f);
+void gated_activation(const T* gate_up, int64_t rows, int64_t I, Activation act, T* out) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  const __m512 z_scale = _mm512_set1_ps(kGeluTanhScale), cubic = _mm512_set1_ps(kGeluTanhCubic);
+  const bool gelu = act == Activation::kGeluTanh;
   at::parallel_for(0, rows, 4, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const T* gate = gate_up + r * 2 * I;
       for (int64_t i = 0; i < I; i += 16) {
         const __m512 g = load16(gate + i);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        store16(out + r * I + i, _mm512_mul_ps(round16<T>(silu), load16(gate + I + i)));
+        const __m512 cubed = _mm512_mul_ps(_mm512_mul_ps(cubic, g), _mm512_mul_ps(g, g));
+        const __m512 z = gelu ? _mm512_mul_ps(z_scale, _mm512_add_ps(g, cubed)) : g;
+        const __m512 a = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, z))));
+        store16(out + r * I + i, _mm512_mul_ps(round16<T>(a), load16(gate + I + i)));
       }
     }
   });
@@ -45,17 +78,19 @@ void silu_mul(const T* gate_up, int64_t rows, int64_t I, T* out) {
 
 // Rotates the q and k heads of each token's qkv row in place (half-split layout; cos and sin
 // tables (T, hd) in T, sin negated on its first half, as layers.py builds them), then stores
-// k and v into the paged KV tensor at the token's layer-0 row shifted to `layer`.
+// k and v into the paged KV tensor at the token's layer-0 row shifted to `layer`. Where `norms`
+// has weights (Qwen3, Gemma 3), each q and k head is RMS-normed (norm_row) before its rotation.
 template <typename T>
 void rope_and_store(T* qkv, int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t hd, const T* cos,
                     const T* sin, T* kv_token_rows, int64_t layer, int64_t tokens_per_block,
-                    const int64_t* token_rows) {
+                    const int64_t* token_rows, const HeadNorms<T>& norms = {}) {
   const int64_t width = (num_heads + 2 * num_kv_heads) * hd, half = hd / 2, row_elems = num_kv_heads * hd;
   at::parallel_for(0, tokens, 16, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       T* row = qkv + t * width;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
         T* head = row + h * hd;
+        if (norms.q) norm_row(head, hd, h < num_heads ? norms.q : norms.k, norms.eps, head);
         for (int64_t d = 0; d < half; d += 16) {
           const __m512 x1 = load16(head + d), x2 = load16(head + half + d);
           const T* c = cos + t * hd + d;

@@ -187,6 +187,80 @@ def test_unreachable_prefill_worker_falls_back_to_local_prefill(workers):
         asyncio.run(_generate(addr["both"], _request("u2", prompt)))
 
 
+WINDOW_BLOCK = 4  # tiny blocks: a prompt of 3 windows of 8 spans 6, the first 4 out of the window's reach
+
+
+def _tiny_with_tokenizer(directory, kind: str) -> str:
+    """model_builders' tiny `kind` checkpoint (vocabulary 300, a window of 8) with SmolLM2's
+    tokenizer beside it, which a worker needs; prompts keep to ids below 300."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from pdserve.common.model_source import default_model_path
+    from tests.unit.engine.model_builders import make_checkpoint
+
+    make_checkpoint(directory, kind)
+    gguf = default_model_path()
+    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3"])
+def window_workers(request, tmp_path_factory) -> Iterator[dict]:
+    """Prefill, decode and aggregated workers on a sliding-window checkpoint: Mistral (every layer
+    has the window) or Gemma 3 (a window layer, then a global one)."""
+    root = tmp_path_factory.mktemp(request.param)
+    checkpoint = _tiny_with_tokenizer(root / "model", request.param)
+    common = ["--model", checkpoint, "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
+              "--max-kv-tokens", "4096", "--block-size", str(WINDOW_BLOCK), "--num-threads", "1"]
+    ports = {role: free_port() for role in ("prefill", "decode", "both", "prefill_metrics", "decode_metrics")}
+    procs = {
+        "prefill": start(["worker", "--role", "prefill", "--port", str(ports["prefill"]),
+                          "--metrics-port", str(ports["prefill_metrics"]), *common], root / "p.log"),
+        "decode": start(["worker", "--role", "decode", "--port", str(ports["decode"]),
+                         "--metrics-port", str(ports["decode_metrics"]), "--disagg-min-prefill-tokens", "1",
+                         *common], root / "d.log"),
+        "both": start(["worker", "--role", "both", "--port", str(ports["both"]), *common], root / "b.log"),
+    }
+    try:
+        for role, proc in procs.items():
+            wait_for_worker(f"127.0.0.1:{ports[role]}", proc)
+        yield {"kind": request.param, "addr": {r: f"127.0.0.1:{ports[r]}" for r in procs},
+               "metrics": {r: f"http://127.0.0.1:{ports[f'{r}_metrics']}/metrics" for r in ("prefill", "decode")}}
+    finally:
+        for proc in procs.values():
+            stop(proc)
+
+
+def _window_prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 31 + i * 17) % 280 + 10 for i in range(length)]
+
+
+def test_a_prompt_three_windows_long_leaves_the_out_of_reach_slices_behind_and_decodes_as_aggregated(
+        window_workers):
+    addr, urls = window_workers["addr"], window_workers["metrics"]
+    prompt = _window_prompt(1, 3 * 8)  # the decode worker's first query is at 24: blocks 0..3 are out of reach
+
+    def skipped(role: str, direction: str) -> tuple[float, float]:
+        return tuple(metric(urls[role], f"pdserve_kv_window_skipped_{what}_total", f'direction="{direction}"')
+                     for what in ("blocks", "bytes"))
+
+    before = skipped("prefill", "sent"), skipped("decode", "received")
+    disagg = asyncio.run(_generate(addr["decode"], _request(f"w-{window_workers['kind']}", prompt, 12),
+                                   addr["prefill"]))
+    agg = asyncio.run(_generate(addr["both"], _request(f"wa-{window_workers['kind']}", prompt, 12)))
+    assert disagg == agg and len(disagg) == 12
+    after = skipped("prefill", "sent"), skipped("decode", "received")
+    # (L=2, K and V, 4 tokens, 2 KV heads, head_dim 32, float32): 2048 bytes per layer of a block
+    layers_left = 2 if window_workers["kind"] == "mistral" else 1
+    for (blocks_before, bytes_before), (blocks_after, bytes_after) in zip(before, after):
+        assert (blocks_after - blocks_before, bytes_after - bytes_before) == (4, 4 * layers_left * 2048)
+    for role in ("prefill", "decode"):
+        report = asyncio.run(_integrity(addr[role]))
+        assert (report.ok, report.num_held_for_peer, report.num_used_blocks) == (True, 0, 0)
+
+
 def test_integrity_holds_and_nothing_is_held_for_a_peer_afterwards(workers):
     for role in ("prefill", "decode", "both"):
         report = asyncio.run(_integrity(workers["addr"][role]))

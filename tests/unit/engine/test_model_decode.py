@@ -41,7 +41,7 @@ class GreedyLoop:
         return self.tokens[i][prompt_len:]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3"])
 def test_batched_greedy_decode_matches_generate(checkpoints, kind, kernels):
     prompts = [prompt(n, seed=10 + n) for n in PROMPT_LENS]
     loop = GreedyLoop(load_runner(checkpoints[kind], kernels=kernels), prompts)

@@ -1,4 +1,4 @@
-"""Native CPU kernels: the whole Llama-family forward in one C++ call per step.
+"""Native CPU kernels: the whole decoder forward in one C++ call per step (every dense family).
 
 What they replace, and why (profiled on a 2-core AVX-512 CPU, SmolLM2-135M in bf16): eager
 torch spent most of a batch-1 decode step in oneDNN's matmuls, which reordered every weight
@@ -6,7 +6,8 @@ on every call, and in ~1,200 small ops; batched decode spent 40% in gathering ev
 sequence's KV blocks and in attention widened across KV heads. Here: weights packed once, at
 load (oneDNN's blocked layout where oneDNN has bf16 kernels for the CPU, panels of our own on
 AVX2), paged attention reading the KV blocks in place (grouped-query heads together, online
-softmax), and fused RMSNorm, rotary + KV store and SiLU-and-mul.
+softmax), and fused RMSNorm (and q/k head norms), rotary + KV store and the gated MLP's
+activation (SiLU or tanh GELU) times up.
 
 The kernels are compiled when pdserve is installed (or its wheel built), once per ISA level
 (`levels.py`): `_kernels_avx2`, `_kernels_avx512`, `_kernels_avx512_bf16`, `_kernels_amx`. A

@@ -1,7 +1,8 @@
 """Publishing: a claimed sequence's computed full blocks become findable under their keys, in
 order, so a block's parent is always cached before it. A key cached already is shared and our
 copy freed, unless the cached block lacks window layers' slices (`windows.py`) and ours is
-whole: then ours takes the key, and the other is forgotten (its holders keep it privately)."""
+whole: then ours takes the key, and the other is forgotten (its holders keep it privately, and
+their chain ends there: a block whose parent is not cached is never published)."""
 from collections.abc import Callable
 
 from pdserve.kvcache.claims import ClaimedSequence
@@ -17,6 +18,8 @@ def publish_full_blocks(pool: BlockPool, seq: ClaimedSequence, tokens_per_block:
         if len(seq.hashes) < num_full:
             seq.request.block_hashes(tokens_per_block)  # the chain hashes the blocks it lacks
         for i in range(seq.num_published, num_full):
+            if i > 0 and seq.blocks[i - 1].block_hash is None:  # its parent was forgotten
+                break
             _publish_block(pool, seq, i, tokens_per_block, expiry)
     seq.num_published = max(seq.num_published, num_full)
 

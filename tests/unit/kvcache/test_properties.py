@@ -1,6 +1,8 @@
-"""Property-based: random add / grow / compute / free / fork / evict across priorities and salts.
+"""Property-based: random add / grow / compute / free / fork / evict across priorities and salts,
+and prompts received from a peer without window layers' slices (a window of 4 on one layer).
 
-`check_integrity()` runs after every step; a model of what must be cached checks reuse.
+`check_integrity()` runs after every step; a model of what must be cached checks reuse, and no
+hit holds a block lacking slices that the claim's first computed query would read.
 """
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -8,9 +10,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pdserve.common.errors import OutOfBlocksError
 from pdserve.kvcache import CacheRequest
+from pdserve.kvcache.windows import SlidingWindows
 from tests.unit.kvcache.conftest import FakeClock, make_manager, make_request
 
 PREFIXES = [list(range(p * 100, p * 100 + 12)) for p in range(3)]
+WINDOWS = SlidingWindows((4, None), 4)
 
 
 class KvCacheMachine(RuleBasedStateMachine):
@@ -42,8 +46,30 @@ class KvCacheMachine(RuleBasedStateMachine):
             assert not self.m.has_request(rid)
             return
         assert analysis.fits and claim.num_cached_tokens == analysis.num_cached_tokens
+        self._check_readable(claim)
         self.live[rid] = len(tokens)
         self.requests[rid] = request
+
+    @rule(prefix=st.integers(0, 2), cut=st.integers(1, 12), tail=st.lists(st.integers(0, 50), max_size=6))
+    def receive(self, prefix, cut, tail):
+        """A decode worker's remote prefill: the peer leaves out the window layer's out-of-reach slices."""
+        request = make_request(self._new_id(), PREFIXES[prefix][:cut] + tail)
+        try:
+            claim = self.m.add_sequence(request)
+        except OutOfBlocksError:
+            return
+        self._check_readable(claim)
+        first_block, prompt_len = claim.num_cached_tokens // 4, len(request.token_ids)
+        self.m.lack_slices(request.request_id, WINDOWS.skipped(prompt_len, first_block,
+                                                               len(claim.block_ids) - first_block))
+        self.m.mark_computed(request.request_id, prompt_len - claim.num_cached_tokens)
+        self.live[request.request_id] = prompt_len
+        self.requests[request.request_id] = request
+
+    def _check_readable(self, claim) -> None:
+        for block_id in claim.block_ids[:claim.num_cached_tokens // 4]:
+            readable_from = self.m.pool.blocks[block_id].readable_from
+            assert readable_from is None or readable_from <= claim.num_cached_tokens
 
     @rule(data=st.data(), pair=st.booleans())
     def add_batch(self, data, pair):
@@ -55,6 +81,7 @@ class KvCacheMachine(RuleBasedStateMachine):
             assert not any(self.m.has_request(r.request_id) for r in requests)
             return
         for r, c in zip(requests, claims):
+            self._check_readable(c)
             self.live[r.request_id] = len(r.token_ids)
             self.requests[r.request_id] = r
 

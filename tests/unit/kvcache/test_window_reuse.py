@@ -74,7 +74,7 @@ def test_a_whole_copy_takes_the_key_from_a_block_lacking_slices():
 
 
 def test_a_block_lacking_slices_is_dropped_not_offloaded_when_evicted():
-    manager = make_manager(num_blocks=6, tokens_per_block=TPB, num_host_blocks=8)
+    manager = make_manager(num_blocks=6, tokens_per_block=TPB, num_host_blocks=8, num_disk_blocks=8)
     receive(manager, "r", PROMPT)
     manager.drain_events()
     run_to_completion(manager, make_request("other", list(range(500, 524))))  # evicts all six
@@ -85,6 +85,9 @@ def test_a_block_lacking_slices_is_dropped_not_offloaded_when_evicted():
     removed = [h for e in manager.drain_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert set(hashes[:4]) <= set(removed)
     assert manager.cached_blocks_by_tier().count((hashes[4], Tier.HOST)) == 1
+    manager.spill_host_tier()  # a stop: the host tier goes to disk, whole blocks only
+    assert [h in manager.disk for h in hashes] == [False] * 4 + [True] * 2
+    manager.check_integrity()
 
 
 def test_a_published_block_cannot_be_marked():
@@ -94,3 +97,17 @@ def test_a_published_block_cannot_be_marked():
     manager.add_sequence(request)  # blocks 0..4 are matched, published
     with pytest.raises(InvalidRequestError, match="published already"):
         manager.lack_slices(request.request_id, MISTRAL.skipped(len(request.token_ids), 0, 7))
+
+
+def test_a_holder_of_a_block_a_whole_copy_replaced_publishes_no_block_under_it():
+    manager = make_manager(num_blocks=16, tokens_per_block=TPB)
+    request = make_request("r", PROMPT)
+    manager.add_sequence(request)
+    manager.lack_slices(request.request_id, MISTRAL.skipped(24, 0, 6))
+    manager.mark_computed(request.request_id, 24)  # still decoding: it holds its blocks
+    run_to_completion(manager, make_request("local", PROMPT[:8] + [7]))  # blocks 0 and 1 whole: they take the keys
+    manager.allocate_slots(request.request_id, 4)
+    manager.append_tokens(request.request_id, [1, 2, 3, 4])
+    manager.mark_computed(request.request_id, 4)  # block 6 is full, its parent no longer cached
+    manager.check_integrity()
+    assert manager.pool.lookup(make_request("x", PROMPT + [1, 2, 3, 4]).block_hashes(TPB)[6]) is None

@@ -45,6 +45,9 @@ def check_pool_integrity(pool: BlockPool, owners: Iterable[list[KvBlock]]) -> No
     total = len(free_ids) + num_cached_free + num_in_use
     _require(total == pool.num_blocks, f"free {len(free_ids)} + cached-free {num_cached_free} + in-use {num_in_use} != {pool.num_blocks}")
     _require(len(pool.cached) == sum(1 for b in pool.blocks if b.block_hash is not None), "hash map size mismatch")
+    lacking = sum(1 for b in pool.cached.values() if b.readable_from is not None)
+    _require(pool.num_lacking_slices == lacking, f"{pool.num_lacking_slices} cached blocks lacking slices counted, "
+             f"{lacking} held")
 
 
 def _check_cached(pool: BlockPool, block: KvBlock, queued: set[KvBlock]) -> None:

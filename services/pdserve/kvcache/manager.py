@@ -322,8 +322,10 @@ class KvCacheManager:
                 lower.append(block_hash)
             else:
                 break
-        num = num_reusable([b.readable_from for b in matched], len(lower), self.tokens_per_block)
-        return matched[:num], lower[:max(0, num - len(matched))]
+        if self.pool.num_lacking_slices:  # a hit stops short of a query reading a missing slice
+            num = num_reusable([b.readable_from for b in matched], len(lower), self.tokens_per_block)
+            matched, lower = matched[:num], lower[:max(0, num - len(matched))]
+        return matched, lower
 
     def _num_claim_blocks(self, request: CacheRequest) -> int:
         num_tokens = request.num_claim_tokens or len(request.token_ids)

@@ -26,6 +26,7 @@ class BlockPool:
         self.disk = disk
         self.moves: list[TierMove] = []  # copies between tiers the engine has yet to make, in order
         self.num_dropped_by_priority = 0  # blocks a lower tier would have kept but for their priority
+        self.num_lacking_slices = 0  # cached blocks lacking window layers' slices (`windows.py`)
         self.blocks = [KvBlock(BlockId(i)) for i in range(num_blocks)]
         self.free_list: deque[KvBlock] = deque(self.blocks)
         self.cached: dict[BlockHash, KvBlock] = {}
@@ -97,6 +98,7 @@ class BlockPool:
         block.tier = Tier.DEVICE
         if parent is not None:
             parent.num_children += 1
+        self.num_lacking_slices += block.readable_from is not None
         self.cached[block_hash] = block
         self.queue.watch_expiry(block)
         if onboarded is not None:
@@ -202,6 +204,7 @@ class BlockPool:
     def _uncache(self, block: KvBlock, kept_in: Tier | None = None) -> None:
         assert block.block_hash is not None
         del self.cached[block.block_hash]
+        self.num_lacking_slices -= block.readable_from is not None
         if kept_in is not None:
             self.events.updated(block.block_hash, kept_in, block.priority, Tier.DEVICE)
         else:

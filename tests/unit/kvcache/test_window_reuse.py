@@ -65,7 +65,9 @@ def test_a_cut_keeps_the_whole_blocks_before_a_slice_the_continuation_would_read
 def test_a_whole_copy_takes_the_key_from_a_block_lacking_slices():
     manager = make_manager(num_blocks=16, tokens_per_block=TPB)
     receive(manager, "r", PROMPT)
+    assert manager.pool.num_lacking_slices == 4
     run_to_completion(manager, make_request("local", PROMPT[:20] + [7, 7, 7, 7]))  # computes blocks 0..4 whole
+    assert manager.pool.num_lacking_slices == 0
     hashes = make_request("x", PROMPT).block_hashes(TPB)
     assert [manager.pool.lookup(h).readable_from for h in hashes[:5]] == [None] * 5
     claim = manager.add_sequence(make_request("again", PROMPT[:20] + [9, 9]))

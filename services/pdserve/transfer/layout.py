@@ -40,9 +40,9 @@ class KvLayoutSpec:
 
     `model` names the weights (a name or a content fingerprint); `kv_scale` is the per-tensor
     scale of a float8 cache (1.0 otherwise), since bytes stored under different scales decode
-    to different values. `layer_windows` is each layer's sliding window (None: global; empty:
-    not told): both sides derive from it which slices of a block a hand-off leaves behind
-    (`kvcache/windows.py`), so they must agree on it.
+    to different values. `layer_windows` is each layer's sliding window (None: global), kept
+    empty when no layer has one: both sides derive from it which slices of a block a hand-off
+    leaves behind (`kvcache/windows.py`), so they must agree on it.
     """
 
     model: str
@@ -73,6 +73,8 @@ class KvLayoutSpec:
                            for w in self.layer_windows):
             raise ConfigError("layer_windows", self.layer_windows,
                               "must be empty or one positive window (or None) per layer")
+        if all(w is None for w in self.layer_windows):
+            object.__setattr__(self, "layer_windows", ())  # no windows: one spelling, as a peer told none
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

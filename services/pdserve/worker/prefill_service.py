@@ -152,7 +152,7 @@ class PrefillService:
             raise TransferError(f"deadline passed before writing {order.request.request_id!r}")
         local, remote, layers = slices_to_send(source, order.dest_block_ids, order.first_block, skipped,
                                                self._transport.spec.num_layers)
-        if not local:  # every layer has a window, and no block is within reach
+        if skipped and not local:  # every layer has a window, and no block is within reach
             return
         handle = self._transport.write_blocks(order.decode_worker_id, local, remote, b"", timeout_s, layers)
         try:

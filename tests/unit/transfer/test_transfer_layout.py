@@ -102,6 +102,7 @@ def test_layer_windows_travel_and_a_peer_with_other_windows_is_refused() -> None
     with pytest.raises(IncompatiblePeerError, match="layer_windows"):
         check_compatible(windowed, SMOLLM2)
     assert windowed.bytes_per_layer * 30 == windowed.bytes_per_block
+    assert replace(SMOLLM2, layer_windows=(None,) * 30) == SMOLLM2  # no window layers: told or not, the same
 
 
 @pytest.mark.parametrize("windows", [(8,), (0,) * 30, (True,) * 30, [None] * 30])

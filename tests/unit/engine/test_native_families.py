@@ -65,11 +65,6 @@ def reason_for(checkpoint) -> str | None:
                                      SimpleNamespace(tensor=torch.zeros(1)))
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_mixtures_of_experts_are_refused_with_a_reason(checkpoints, kind):
-    assert reason_for(checkpoints[kind]) == "mixture-of-experts layers (the native kernels run dense MLPs only)"
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "phi3"])
-def test_dense_families_are_not_refused(checkpoints, kind):
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe"])
+def test_served_families_are_not_refused(checkpoints, kind):  # the mixtures' refusals: test_native_moe.py
     assert reason_for(checkpoints[kind]) is None

@@ -15,6 +15,7 @@ from pdserve.engine.model.decoder import CausalLM, DecoderLayer
 from pdserve.engine.model.kv_tensor import PagedKvCache
 from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding
 from pdserve.engine.model.lora import NO_LORA, AdapterLayer, LoraStep
+from pdserve.engine.model.moe import MoeMLP
 from pdserve.engine.model.native import KERNEL_CHOICES, KernelsUnavailable, load_native
 
 # oneDNN chooses its blocked weight layout for a row count; measured the same speed with the
@@ -76,8 +77,8 @@ def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:
         return f"KV cache dtype {kv.tensor.dtype} differs from the model's"
     if c.head_dim % 32 or c.hidden_size % 16 or c.intermediate_size % 16:
         return "head_dim must be a multiple of 32, hidden and intermediate sizes of 16"
-    if c.moe is not None:
-        return "mixture-of-experts layers (the native kernels run dense MLPs only)"
+    if c.moe is not None and c.moe.expert_intermediate_size % 16:
+        return "a mixture's expert intermediate size must be a multiple of 16"
     return None
 
 
@@ -105,11 +106,18 @@ def build_native(model: CausalLM, kv: PagedKvCache, kernels: str, cache_dir: str
 def layer_spec(layer: DecoderLayer, matrices: list[torch.Tensor]) -> tuple:
     """A layer as `NativeModel` takes it (native/layer.h): its weight slots in the order the
     layer reads them (None where absent), its window, its rope's index and its activation."""
-    qkv, o_proj, gate_up, down = matrices
+    qkv, o_proj, gate_up, down = matrices  # a mixture's layer: no dense gate_up and down (moe_spec)
+    mlp = layer.mlp.experts[0] if isinstance(layer.mlp, MoeMLP) else layer.mlp
     slots = [layer.input_norm.weight, qkv, layer.qkv_bias, _weight(layer.q_norm), _weight(layer.k_norm), o_proj,
-             layer.o_bias, _weight(layer.attn_out_norm), layer.post_norm.weight, gate_up, layer.mlp.gate_up_bias,
-             down, layer.mlp.down_bias, _weight(layer.mlp_out_norm)]
-    return slots, layer.window, layer.rope, layer.mlp.activation
+             layer.o_bias, _weight(layer.attn_out_norm), layer.post_norm.weight, gate_up, mlp.gate_up_bias,
+             down, mlp.down_bias, _weight(layer.mlp_out_norm)]
+    return slots, layer.window, layer.rope, mlp.activation
+
+
+def moe_spec(mlp: MoeMLP, matrix) -> tuple:
+    """A mixture as `NativeModel` takes it (native/moe.h), its matrices made by `matrix`."""
+    return (matrix(mlp.router), [matrix(e.gate_up) for e in mlp.experts], [matrix(e.down) for e in mlp.experts],
+            mlp.top_k, mlp.normalize_top_k, mlp.weights_in_float32)
 
 
 def rope_spec(rope: RotaryEmbedding) -> tuple:
@@ -144,12 +152,15 @@ class NativeForward:
                 layouts_read.append(module.blocked_layout(packed_weight, weight))
             return packed_weight
 
-        matrices = []
+        matrices, mixtures = [], []
         for layer in model.layers:
-            plain = (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)
-            matrices.append([matrix(w) for w in plain])
+            mixture = layer.mlp if isinstance(layer.mlp, MoeMLP) else None
+            plain = [layer.qkv, layer.o_proj] + ([None, None] if mixture else [layer.mlp.gate_up, layer.mlp.down])
+            matrices.append([None if w is None else matrix(w) for w in plain])
+            mixtures.append(None if mixture is None else moe_spec(mixture, matrix))
+            experts = [w for e in mixture.experts for w in (e.gate_up, e.down)] if mixture else []
             if form != "plain":  # a plain copy of its own (cast, dequantized) is freed here, a file map's pages given back
-                release_copied_pages(plain)
+                release_copied_pages(plain + experts)
                 layer.drop_matrices()
         lm_head = matrix(model.lm_head)
         if form != "plain":
@@ -161,7 +172,8 @@ class NativeForward:
             layers=[layer_spec(layer, m) for layer, m in zip(model.layers, matrices, strict=True)],
             ropes=[rope_spec(rope) for rope in model.ropes], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim, eps=c.rms_norm_eps, attention_scale=c.attention_scale,
-            embed_scale=model.embed_scale, packed=form == "onednn", blocked_rows=blocked_rows(layouts_read))
+            embed_scale=model.embed_scale, packed=form == "onednn", blocked_rows=blocked_rows(layouts_read),
+            moe=mixtures)
         self._threads: torch.Tensor | None = None  # the count a step follows, kept alive here
 
     def lora_weights(self, layers: tuple[AdapterLayer, ...]) -> object:

@@ -3,8 +3,9 @@
 // (token ids, segments, block tables, logit rows); every per-layer operation runs here, with no
 // Python between them. LoRA adapters' deltas are added to their own rows after each projection.
 // The families' differences (decoder.py) are each layer's: q/k norms, Gemma's norms of the
-// sublayers' outputs, its window, its rope variant and its MLP's activation; and the model's:
-// the embedding's scale and the attention's score scale.
+// sublayers' outputs, its window, its rope variant, its MLP's activation and whether the MLP is a
+// mixture of experts (moe.h: Mixtral, Qwen3-MoE); and the model's: the embedding's scale and the
+// attention's score scale.
 //
 // The same file is built once per ISA level (setup.py): the level's kernels come from its
 // folder, chosen by what the build enables.
@@ -23,6 +24,7 @@
 #include "head_norms.h"
 #include "layer.h"
 #include "lora.h"
+#include "moe.h"  // after the level's kernels, which it calls
 #include "onednn_linear.h"
 #include "rope.h"
 
@@ -52,7 +54,7 @@ class NativeModel {
   NativeModel(at::Tensor embed, at::Tensor final_norm, at::Tensor lm_head, const std::vector<LayerSpec>& layers,
               const std::vector<RopeSpec>& ropes, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
               double eps, double attention_scale, c10::optional<double> embed_scale, bool packed,
-              int64_t blocked_rows)
+              int64_t blocked_rows, const std::vector<c10::optional<MoeSpec>>& moe)
       : embed_(embed), final_norm_(final_norm), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
         head_dim_(head_dim), eps_(float(eps)), attention_scale_(float(attention_scale)), embed_scale_(embed_scale),
         packed_(packed), blocked_rows_(packed ? blocked_rows : 0) {
@@ -62,6 +64,12 @@ class NativeModel {
     for (const auto& [inv_freq, long_inv_freq, long_from, factor] : ropes)
       ropes_.push_back(Rope{inv_freq.contiguous(), long_inv_freq.value_or(at::Tensor()), long_from, factor});
     for (const LayerSpec& spec : layers) layers_.push_back(layer_of(spec));
+    TORCH_CHECK(moe.empty() || moe.size() == layers.size(), "a mixture (or None) per layer, or none at all");
+    auto make = [this](const at::Tensor& w, int64_t columns) { return matrix(w, columns); };
+    for (size_t i = 0; i < moe.size(); ++i) {
+      TORCH_CHECK(!moe[i] || !layers_[i].mlp_out_norm.defined(), "a mixture's output is not normed");
+      moe_.push_back(moe[i] ? std::optional<Moe>(moe_of(*moe[i], embed.size(1), make)) : std::nullopt);
+    }
     lm_head_ = matrix(lm_head, embed.size(0));
   }
 
@@ -134,6 +142,10 @@ class NativeModel {
     at::Tensor attn = attention<T>(qkv, index, w.window, segments, tables, kv);
     at::Tensor h2 = residual_plus<T>(attn, w.o_proj, w.o_bias, w.attn_out_norm, h, lora, index, kOProj);
     const at::Tensor x2 = norm<T>(h2, w.post_norm);
+    if (index < int64_t(moe_.size()) && moe_[index]) {  // no adapters there (lora.py refuses them)
+      auto product = [this](const at::Tensor& x, const Matrix& m) { return linear_(x, m, at::Tensor(), at::Tensor()); };
+      return h2 + moe_mlp<T>(*moe_[index], x2, w.activation, product);
+    }
     at::Tensor gate_up = linear_(x2, w.gate_up, w.gate_up_bias, at::Tensor());
     add_lora(gate_up, x2, lora, index, kGateUp);
     const int64_t inter = gate_up.size(1) / 2;
@@ -224,10 +236,10 @@ class NativeModel {
     Layer layer{get(0), get(2), get(3), get(4), get(6), get(7), get(8), get(10), get(12), get(13)};
     TORCH_CHECK(layer.q_norm.defined() == layer.k_norm.defined(), "q and k heads are normed both or neither");
     const int64_t hidden = embed_.size(1), qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
-    layer.down = matrix(get(11), hidden);
+    if (w[11]) layer.down = matrix(get(11), hidden);  // absent where the layer is a mixture (moe_)
     layer.qkv = matrix(get(1), qkv_width);
     layer.o_proj = matrix(get(5), hidden);
-    layer.gate_up = matrix(get(9), 2 * layer.down.w.size(1));
+    if (w[9]) layer.gate_up = matrix(get(9), 2 * layer.down.w.size(1));
     layer.window = window.value_or(0);
     layer.rope = rope;
     layer.activation = activation_named(activation);
@@ -268,6 +280,7 @@ class NativeModel {
   Matrix lm_head_;
   at::Tensor threads_;  // undefined: no thread count to follow
   std::vector<Layer> layers_;
+  std::vector<std::optional<Moe>> moe_;  // per layer, where its MLP is a mixture of experts (or empty)
   std::vector<Rope> ropes_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_, attention_scale_;
@@ -312,10 +325,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<pdserve::NativeModel>(m, "NativeModel", py::module_local())
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, const std::vector<pdserve::LayerSpec>&,
                     const std::vector<pdserve::RopeSpec>&, int64_t, int64_t, int64_t, double, double,
-                    c10::optional<double>, bool, int64_t>(),
+                    c10::optional<double>, bool, int64_t, const std::vector<c10::optional<pdserve::MoeSpec>>&>(),
            py::arg("embed"), py::arg("final_norm"), py::arg("lm_head"), py::arg("layers"), py::arg("ropes"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
-           py::arg("attention_scale"), py::arg("embed_scale"), py::arg("packed"), py::arg("blocked_rows"))
+           py::arg("attention_scale"), py::arg("embed_scale"), py::arg("packed"), py::arg("blocked_rows"),
+           py::arg("moe") = std::vector<c10::optional<pdserve::MoeSpec>>())
       .def("forward", &pdserve::NativeModel::forward, py::arg("token_ids"), py::arg("segments"), py::arg("tables"),
            py::arg("logit_rows"), py::arg("kv"), py::arg("lora") = std::vector<pdserve::LoraGroup>(),
            py::call_guard<py::gil_scoped_release>())

@@ -4,10 +4,11 @@ A prefill order runs the prompt as a prefill-only request (the engine holds its 
 the first token), WRITEs the blocks the decode worker lacks into the blocks it reserved, and
 answers once every byte has landed. A block out of some window layers' reach from the decode
 worker's first query on travels without their slices (`kvcache/windows.py`, from the layer
-windows both sides agreed on at the handshake); the decode worker leaves the same ones out. An order from a decode worker we have no handshake with
-(we restarted since) is refused before any compute, so the decode worker re-handshakes and
-retries; so is an order without a valid write grant (`write_grants.py`), a replayed one (a
-nonce seen before), and a handshake from a worker of another deployment.
+windows both sides agreed on at the handshake); the decode worker leaves the same ones out.
+An order from a decode worker we have no handshake with (we restarted since) is refused before
+any compute, so the decode worker re-handshakes and retries; so is an order without a valid
+write grant (`write_grants.py`), a replayed one (a nonce seen before), and a handshake from a
+worker of another deployment.
 
 An order names two absolute times (Unix seconds, signed in its grant): the prefill must start
 by `start_by` (a request still queued then ends unstarted: the queue wait is bounded), and no

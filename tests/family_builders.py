@@ -20,7 +20,7 @@ def _families() -> dict:
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {
             "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
-            "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0}),
+            "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0, "tie_word_embeddings": False}),
         "phi3": (Phi3Config, Phi3ForCausalLM, {"original_max_position_embeddings": 256, "rope_parameters": {
             "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 16 for i in range(16)],
             "long_factor": [2.0 + i / 4 for i in range(16)]}}),

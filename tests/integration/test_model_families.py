@@ -46,7 +46,7 @@ def family(request, tmp_path_factory) -> Iterator[dict]:
                                root / f"router_{name}.log"))
             urls[name] = f"http://127.0.0.1:{port}"
             wait_for_http(urls[name], procs)
-        yield {"urls": urls, "expected": expected}
+        yield {"urls": urls, "expected": expected, "kind": request.param, "model": model}
     finally:
         for proc in reversed(procs):
             stop(proc)
@@ -75,3 +75,17 @@ def test_a_cached_repeat_of_the_long_prompt_gives_the_same_tokens(family):
     complete(family["urls"]["disagg"], LONG)
     tokens, _ = complete(family["urls"]["disagg"], LONG)
     assert tokens == family["expected"]["long"]
+
+
+def test_gemma3s_window_changes_the_long_answer(family):
+    """Guards the Gemma 3 cases: without its window the long prompt's greedy answer differs, so an
+    answer that ignored the window (or lost the window layers' keys) would be caught."""
+    if family["kind"] != "gemma3":
+        pytest.skip("the window guard is Gemma 3's")
+    model = family["model"]
+    model.config.sliding_window = 10 * len(LONG)  # transformers builds the window layers' mask from it
+    try:
+        unwindowed = greedy(model, LONG, MAX_TOKENS)
+    finally:
+        model.config.sliding_window = WINDOW
+    assert unwindowed != greedy(model, LONG, MAX_TOKENS)

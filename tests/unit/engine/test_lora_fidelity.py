@@ -37,7 +37,8 @@ def greedy(model: torch.nn.Module, tokens: list[int], max_new_tokens: int) -> li
 PROMPTS = [prompt(5, 1), prompt(17, 2), prompt(11, 3), prompt(26, 4), prompt(9, 5), prompt(14, 6)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# Qwen3 and Gemma 3 have the usual projections (q/k norms and Gemma's sandwich norms around them)
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def family(request, checkpoints, tmp_path_factory):
     """The base checkpoint, two adapters (all projections r=8; q/k/v/o r=4 with rsLoRA), and
     each one's PEFT model."""

@@ -84,7 +84,7 @@ def write_gguf(path, weights, arch="llama", quantize=(), extra=()) -> None:
 # Tensor names come from gguf-py's own TensorNameMap (llama.cpp's table, not the loader's).
 
 GGUF_ARCHS = {  # HF architecture -> llama.cpp's (Mixtral is its `llama` with experts)
-    "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3, "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
+    "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2, "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3, "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
     "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3, "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
     "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,
 }
@@ -173,8 +173,8 @@ def hf_gguf_tensors(config: dict, tensors: dict[str, np.ndarray]) -> dict[str, n
         if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             array = llama_cpp_permute(array, heads)
-        stem = name.removesuffix(".weight")
-        out[f"{names.get_name(stem) or dense_names.get_name(stem)}.weight"] = array
+        stem, kind = name.rsplit(".", 1)  # kind: weight or bias (Qwen2's q/k/v)
+        out[f"{names.get_name(stem) or dense_names.get_name(stem)}.{kind}"] = array
     for stem, by_expert in experts.items():
         out[f"{names.get_name(stem)}.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     rope = config["rope_parameters"]

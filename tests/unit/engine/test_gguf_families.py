@@ -14,7 +14,7 @@ from pdserve.engine.loading.model_config import ModelConfig
 
 from gguf_builders import make_family_source, write_hf_gguf
 
-FAMILIES = ["qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen2", "qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 
@@ -94,7 +94,7 @@ def test_gguf_config_is_the_hf_model_config(sources, tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind, architecture", [
-    ("qwen3", "Qwen3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"), ("phi3", "Phi3ForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"), ("phi3", "Phi3ForCausalLM"),
     ("mixtral", "MixtralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")])
 def test_gguf_config_names_the_hf_architecture(sources, tmp_path, kind, architecture):
     config = load_gguf_config(gguf_of(sources(kind), tmp_path))

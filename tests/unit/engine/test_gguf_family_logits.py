@@ -7,7 +7,7 @@ import transformers
 from gguf_builders import make_family_source, write_hf_gguf
 from model_builders import TinyCheckpoint, chunk, load_runner, prompt, run
 
-FAMILIES = ["qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen2", "qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 PROMPT_LEN = 23  # past Gemma 3's window of 8; below Phi-3's original context of 64 (its short factors)
 TOL = 1e-4
 

@@ -240,6 +240,6 @@ def _decimal(value: float) -> float:
 
 
 _FAMILY_FIELDS: dict[str, Callable[[_Metadata, dict[str, Any]], dict[str, Any]]] = {
-    "llama": _dense, "mixtral": _mixtral, "qwen3": _dense, "qwen3moe": _qwen3_moe, "gemma3": _gemma3,
+    "llama": _dense, "mixtral": _mixtral, "qwen2": _dense, "qwen3": _dense, "qwen3moe": _qwen3_moe, "gemma3": _gemma3,
     "phi3": _phi3,
 }

@@ -6,7 +6,7 @@ checkpoint depends on the family (Gemma 3's `ffn_norm` is its pre-feedforward no
 `ffn_up` holds gate and up fused, as its `gate_up_proj`). A family also says how its files
 differ from the HF checkpoint's tensors, as llama.cpp's convert_hf_to_gguf.py writes them:
   - Q/K rows interleaved per head, for llama.cpp's `llama` arch only (Llama, Mixtral);
-    qwen3, qwen3moe, gemma3 and phi3 keep HF's row order;
+    qwen2, qwen3, qwen3moe, gemma3 and phi3 keep HF's row order;
   - norm weights stored as 1 + w (Gemma: HF's RMSNorm scales by 1 + w, llama.cpp's by w);
   - experts stacked into one (num_experts, rows, cols) tensor per projection (Mixtral, Qwen3-MoE);
   - Phi-3's LongRoPE factors stored as tensors (they belong in the config).
@@ -58,6 +58,8 @@ MIXTRAL = GgufFamily(
     {"ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1", "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
      "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3"},
     is_rope_permuted=True)
+# Qwen2's q/k/v biases come under the same parts (`attn_q.bias`)
+QWEN2 = GgufFamily("qwen2", "qwen2", "Qwen2ForCausalLM", "qwen2", {**_ATTENTION, **_POST_ATTENTION_NORM, **_DENSE_MLP})
 QWEN3 = GgufFamily("qwen3", "qwen3", "Qwen3ForCausalLM", "qwen3",
                    {**_ATTENTION, **_QK_NORMS, **_POST_ATTENTION_NORM, **_DENSE_MLP})
 # Layers without a router (`mlp_only_layers`) keep a dense MLP under the dense names.
@@ -76,7 +78,7 @@ PHI3 = GgufFamily(
     {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
      **_POST_ATTENTION_NORM, "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
     config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}))
-_BY_ARCH = {family.arch: family for family in (LLAMA, QWEN3, QWEN3_MOE, GEMMA3, PHI3)}
+_BY_ARCH = {family.arch: family for family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3, PHI3)}
 
 
 def family_of(metadata: Mapping[str, Any]) -> GgufFamily:

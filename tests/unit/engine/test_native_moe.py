@@ -38,9 +38,20 @@ def test_bf16_mixtures_stay_close_to_transformers(checkpoints, tmp_path, level, 
     assert torch.equal(logits.argmax(-1)[clear], reference.argmax(-1)[clear])
 
 
+@pytest.fixture(params=[1, 8])
+def threads(request):
+    """1: at least as many chosen experts as threads, so each thread takes whole experts
+    (moe.h); 8, more than the tiny models' 4 experts: they run one after another, each on every
+    thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("level", LEVELS_HERE)
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_step_of_many_sequences_equals_each_alone(checkpoints, level, kind):
+def test_a_step_of_many_sequences_equals_each_alone(checkpoints, level, kind, threads):
     """Six sequences' prompts in one step (every expert sees rows of several sequences), then a
     decode step of all six: each sequence's logits are its own forward's on the torch path."""
     native, reference = load_runner(checkpoints[kind], kernels=level), load_runner(checkpoints[kind], kernels="torch")

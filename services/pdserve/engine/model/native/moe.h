@@ -108,26 +108,43 @@ void combine(const Routes& r, const std::vector<const T*>& rows, int64_t top_k, 
   });
 }
 
+// Expert e's rows [first, first + n) of `sorted` through its gate|up, activation and down.
+template <typename T, typename Linear>
+at::Tensor run_expert(const Moe& moe, int64_t e, const at::Tensor& sorted, int64_t first, int64_t n,
+                      Activation activation, const Linear& linear) {
+  const at::Tensor gate_up = linear(sorted.narrow(0, first, n), moe.gate_up[e]);  // (n, 2I)
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({n, inter}, sorted.options());
+  gated_activation<T>(reinterpret_cast<const T*>(gate_up.data_ptr()), n, inter, activation,
+                      reinterpret_cast<T*>(act.data_ptr()));
+  return linear(act, moe.down[e]).contiguous();  // (n, H)
+}
+
 // x (T, H) -> the mixture's output (T, H), without the residual. `linear(x, matrix)` is the
-// layer's product; `activation` the experts' (the layer's) gated activation.
+// layer's product; `activation` the experts' (the layer's) gated activation. Where at least as
+// many experts run as there are threads, each thread takes whole experts (their products then
+// run on one thread each: one parallel region for all, where each expert's own products would
+// open five, and a step of few rows per expert spends more on those than on its products);
+// otherwise the experts run one after another, each on every thread.
 template <typename T, typename Linear>
 at::Tensor moe_mlp(const Moe& moe, const at::Tensor& x, Activation activation, const Linear& linear) {
   const int64_t hidden = x.size(1);
   const Routes r = route(linear(x, moe.router), moe.top_k, moe.normalize);
   const at::Tensor sorted = x.index_select(0, at::tensor(r.tokens));  // (T k, H)
-  std::vector<at::Tensor> outputs;  // each chosen expert's (count, H), kept until combined
+  std::vector<int64_t> chosen, firsts;  // the experts with rows, and where their rows start
+  for (int64_t e = 0, first = 0; e < int64_t(r.counts.size()); first += r.counts[e++])
+    if (r.counts[e]) chosen.push_back(e), firsts.push_back(first);
+  std::vector<at::Tensor> outputs(chosen.size());  // each chosen expert's (count, H), kept until combined
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      outputs[i] = run_expert<T>(moe, chosen[i], sorted, firsts[i], r.counts[chosen[i]], activation, linear);
+  };
+  if (int64_t(chosen.size()) >= at::get_num_threads()) at::parallel_for(0, int64_t(chosen.size()), 1, run);
+  else run(0, int64_t(chosen.size()));
   std::vector<const T*> rows(r.tokens.size());
-  for (int64_t e = 0, first = 0; e < int64_t(moe.gate_up.size()); first += r.counts[e++]) {
-    const int64_t n = r.counts[e];
-    if (n == 0) continue;
-    const at::Tensor gate_up = linear(sorted.narrow(0, first, n), moe.gate_up[e]);  // (n, 2I)
-    const int64_t inter = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({n, inter}, x.options());
-    gated_activation<T>(reinterpret_cast<const T*>(gate_up.data_ptr()), n, inter, activation,
-                        reinterpret_cast<T*>(act.data_ptr()));
-    outputs.push_back(linear(act, moe.down[e]).contiguous());  // (n, H)
-    const T* out = reinterpret_cast<const T*>(outputs.back().data_ptr());
-    for (int64_t i = 0; i < n; ++i) rows[first + i] = out + i * hidden;
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    const T* out = reinterpret_cast<const T*>(outputs[i].data_ptr());
+    for (int64_t j = 0; j < r.counts[chosen[i]]; ++j) rows[firsts[i] + j] = out + j * hidden;
   }
   at::Tensor y = at::empty_like(x);
   combine<T>(r, rows, moe.top_k, moe.weights_in_float32, hidden, reinterpret_cast<T*>(y.data_ptr()));

@@ -189,7 +189,8 @@ def _moe_vs_dense(report: dict) -> None:
     assert rows_of(report, "system", "workload", "streams", "completed", "failed") == [
         (model, workload, streams, completed, 0) for model in ("moe", "dense")
         for workload, streams, completed in (("single", 1, 2), ("in_flight", 4, 4))]
-    assert set(report["config"]["forward_path"]) == {"moe", "dense"}
+    paths = report["config"]["forward_path"]
+    assert set(paths) == {"moe", "dense"} and paths["moe"] == paths["dense"]  # both native (or both torch)
     active = report["config"]["active_parameters"]
     # the same MLP weights run per token (the mixture's router apart: 2 layers x 4 experts x 128)
     assert active["moe"] - active["dense"] == 2 * 4 * 128 and active["moe"] < report["config"]["parameters"]["moe"]
@@ -244,7 +245,8 @@ RUNS: dict[str, ScriptRun] = {
     "moe_vs_dense.py": ScriptRun(("--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--experts",
                                   "4", "--expert-intermediate", "64", "--vocab", "512", "--single-prompts", "2",
                                   "--in-flight", "4", "--input-len", "16", "--output-len", "4", "--num-warmups", "0",
-                                  "--serve-flags", "--kv-cache-memory 64MiB --max-model-len 256"), _moe_vs_dense),
+                                  "--rounds", "1", "--serve-flags", "--kv-cache-memory 64MiB --max-model-len 256"),
+                                 _moe_vs_dense),
     "serve_throughput.py": ScriptRun((*SMALL_SERVING, "--compare-url", "{other}"), _serve_throughput),
     "disagg_vs_agg.py": ScriptRun((*SMALL_SERVING, "--only", "agg-1", "--only", "disagg"), _disagg_vs_agg),
     "decode_bandwidth.py": ScriptRun(("--model", "{model}", "--context", "16", "--steps", "4", "--serve-prompts", "1",

@@ -55,24 +55,33 @@ void rms_norm_add(const T* x, int64_t rows, int64_t H, const T* weight, float ep
   });
 }
 
+// One row: out (I) = act(gate) * up, gate and up the two halves of gate_up (2I): gate * sigmoid(z)
+// (../activation.h), the activation fixed at compile time (no test in the loop).
+template <Activation A, typename T>
+inline void gated_row(const T* gate_up, int64_t I, T* out) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < I; i += 8) {
+    const __m256 g = load8(gate_up + i);
+    __m256 z = g;
+    if constexpr (A == Activation::kGeluTanh) {
+      const __m256 cubed = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(kGeluTanhCubic), g), _mm256_mul_ps(g, g));
+      z = _mm256_mul_ps(_mm256_set1_ps(kGeluTanhScale), _mm256_add_ps(g, cubed));
+    }
+    const __m256 a = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, z))));
+    store8(out + i, _mm256_mul_ps(round8<T>(a), load8(gate_up + I + i)));
+  }
+}
+
 // gate_up (rows, 2I) = [gate | up] -> out (rows, I) = act(gate) * up, rounded as
-// F.silu(gate) * up (or F.gelu(gate, approximate="tanh") * up) rounds: gate * sigmoid(z)
-// (../activation.h).
+// F.silu(gate) * up (or F.gelu(gate, approximate="tanh") * up) rounds.
 template <typename T>
 void gated_activation(const T* gate_up, int64_t rows, int64_t I, Activation act, T* out) {
-  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-  const __m256 z_scale = _mm256_set1_ps(kGeluTanhScale), cubic = _mm256_set1_ps(kGeluTanhCubic);
-  const bool gelu = act == Activation::kGeluTanh;
   at::parallel_for(0, rows, 4, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      const T* gate = gate_up + r * 2 * I;
-      for (int64_t i = 0; i < I; i += 8) {
-        const __m256 g = load8(gate + i);
-        const __m256 cubed = _mm256_mul_ps(_mm256_mul_ps(cubic, g), _mm256_mul_ps(g, g));
-        const __m256 z = gelu ? _mm256_mul_ps(z_scale, _mm256_add_ps(g, cubed)) : g;
-        const __m256 a = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, z))));
-        store8(out + r * I + i, _mm256_mul_ps(round8<T>(a), load8(gate + I + i)));
-      }
+      if (act == Activation::kGeluTanh)
+        gated_row<Activation::kGeluTanh>(gate_up + r * 2 * I, I, out + r * I);
+      else
+        gated_row<Activation::kSilu>(gate_up + r * 2 * I, I, out + r * I);
     }
   });
 }

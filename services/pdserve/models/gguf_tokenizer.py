@@ -1,32 +1,30 @@
 """Build a `tokenizers` tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
 
-A GGUF carries no tokenizer.json: it stores the vocabulary, merges, token types, special
-ids and the name of llama.cpp's pre-tokenizer. For byte-level BPE (`tokenizer.ggml.model`
-= "gpt2") that is everything needed to rebuild the tokenizer exactly. Conversion takes about
-0.1 s for SmolLM2 (the metadata is parsed by `gguf_file`); the result may also be cached in a
-directory the caller chooses, keyed by the file's path, size and mtime.
+A GGUF carries no tokenizer.json: it stores the vocabulary, token types, special ids, and for
+byte-level BPE (`tokenizer.ggml.model` = "gpt2": gguf_byte_level) the merges and llama.cpp's
+pre-tokenizer name, rebuilt to tokenize as llama.cpp does; whatever a file asks for that is not
+served raises ConfigError naming its key. Conversion takes about 0.1 s for SmolLM2 (the metadata is parsed by `gguf_file`);
+the result may also be cached in a directory the caller chooses, keyed by the file's path, size
+and mtime.
 """
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pdserve.models.conversion_cache import cache_key, write_file_atomically
 from pdserve.common.errors import ConfigError
+from pdserve.models.gguf_byte_level import byte_level_backend, is_byte_level_spelling
 from pdserve.models.gguf_file import read_gguf
 from pdserve.models.tokenizer_files import TokenizerSpec
 
-CONVERTER_VERSION = 1  # bump when conversion output changes, to invalidate caches
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT2_FAMILY = ("default", "gpt2", "gpt-2", "olmo", "mpt", "jais")
-_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
-_LLAMA3_FAMILY = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3")
+CONVERTER_VERSION = 2  # bump when conversion output changes, to invalidate caches
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # llama.cpp token types
+_SPECIAL_KEYS = ("bos", "eos", "unknown", "eot", "eom")  # tokenizer.ggml.<name>_token_id
+_SPECIAL_NAMES = ("bos", "eos", "unknown", "padding")  # special whatever their token type says
 
 
 def read_gguf_tokenizer(path: str, cache_dir: str | None = None) -> tuple[BackendTokenizer, TokenizerSpec]:
@@ -50,69 +48,70 @@ def _convert(meta: dict[str, Any]) -> tuple[BackendTokenizer, TokenizerSpec]:
     if model_type != "gpt2":
         raise ConfigError("tokenizer.ggml.model", model_type,
                           "only byte-level BPE ('gpt2') GGUF tokenizers are supported")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ConfigError("tokenizer.ggml.tokens", None, "the file has no vocabulary")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
-    backend = BackendTokenizer(models.BPE(vocab=_byte_level_vocab(tokens), merges=merges, fuse_unk=False))
-    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-    backend.decoder = decoders.ByteLevel()
-    _add_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type", []))
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
-        bos = tokens[bos_id]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-    eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    eos_ids = tuple(dict.fromkeys(meta[key] for key in eos_keys if key in meta))
-    return backend, TokenizerSpec(bos_id, eos_ids, meta.get("tokenizer.chat_template"))
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or []
+    ids = _special_ids(meta, len(tokens), {})
+    backend = byte_level_backend(meta, tokens)
+    _add_special_tokens(backend, tokens, token_types, ids, is_byte_level_spelling)
+    backend.post_processor = _bos_eos_processor(meta, tokens, ids, add_bos_default=False)
+    return backend, TokenizerSpec(ids.get("bos"), _eos_ids(ids), meta.get("tokenizer.chat_template"))
 
 
-def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
-    """llama.cpp's named pre-tokenizer as the `tokenizers` equivalent; ConfigError if unknown."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if name in _GPT2_FAMILY:
-        return byte_level
-    if name in _DIGITS_THEN_GPT2:  # every digit on its own, then the GPT-2 split
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if name in _LLAMA3_FAMILY:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    supported = ", ".join(_GPT2_FAMILY + _DIGITS_THEN_GPT2 + _LLAMA3_FAMILY)
-    raise ConfigError("tokenizer.ggml.pre", name, f"unsupported pre-tokenizer; supported: {supported}")
+def _special_ids(meta: dict[str, Any], num_tokens: int, defaults: dict[str, int]) -> dict[str, int]:
+    """bos/eos/unknown/eot/eom ids the file names (else `defaults`), ConfigError if out of range;
+    and the padding id if in range (nothing is padded here: an id past the end, which llama.cpp
+    ignores too, changes nothing)."""
+    ids = {}
+    for name in _SPECIAL_KEYS:
+        key = f"tokenizer.ggml.{name}_token_id"
+        token_id = meta.get(key, defaults.get(name))
+        if token_id is not None and not 0 <= token_id < num_tokens:
+            raise ConfigError(key, token_id, f"not an id of the {num_tokens}-token vocabulary")
+        if token_id is not None:
+            ids[name] = token_id
+    padding = meta.get("tokenizer.ggml.padding_token_id")
+    if padding is not None and 0 <= padding < num_tokens:
+        ids["padding"] = padding
+    return ids
 
 
-def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
-    """Token → id, respelling in the byte alphabet any token the file stores as plain text."""
-    alphabet = byte_alphabet()
-    spelled = set(alphabet.values())
-    return {
-        token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode("utf-8")): index
-        for index, token in enumerate(tokens)
-    }
+def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int],
+                        ids: dict[str, int], can_add: Callable[[str], bool]) -> None:
+    """Control and unknown tokens, and the bos/eos/unknown/padding ones whatever their type,
+    match whole and are special; user-defined ones match whole but are text. `can_add(token)`
+    says whether a token is spelled as the model spells it (a byte-level one respelled would get
+    a new id)."""
+    named = {ids[name] for name in _SPECIAL_NAMES if name in ids}
+    special = [i for i, kind in enumerate(token_types) if kind in (CONTROL, UNKNOWN)]
+    user_defined = [i for i, kind in enumerate(token_types) if kind == USER_DEFINED and i not in named]
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i in sorted(named.union(special)) if can_add(tokens[i])])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i in user_defined if can_add(tokens[i])])
 
 
-def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int]) -> None:
-    """Control tokens match whole and are special; user-defined ones match whole but are text."""
-    spelled = set(byte_alphabet().values())
-    kinds = {CONTROL: True, USER_DEFINED: False}
-    added = [
-        AddedToken(token, special=kinds[kind], normalized=False)
-        for token, kind in zip(tokens, token_types)
-        if kind in kinds and set(token) <= spelled  # respelled ones would get new ids
-    ]
-    backend.add_special_tokens([t for t in added if t.special])
-    backend.add_tokens([t for t in added if not t.special])
+def _eos_ids(ids: dict[str, int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(ids[name] for name in ("eos", "eot", "eom") if name in ids))
 
 
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte → printable character map: printable bytes stand for themselves, the
-    other 68 take the code points from 256 upward, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    mapping = {b: chr(b) for b in printable}
-    mapping.update({b: chr(256 + i) for i, b in enumerate(others)})
-    return mapping
+def _bos_eos_processor(meta: dict[str, Any], tokens: list[str], ids: dict[str, int],
+                       add_bos_default: bool) -> processors.TemplateProcessing | None:
+    """What `add_special_tokens=True` adds: BOS and/or EOS, as `tokenizer.ggml.add_{bos,eos}_token` say."""
+    edges = {}  # "bos"/"eos" → (token, id)
+    for name, default in (("bos", add_bos_default), ("eos", False)):
+        if meta.get(f"tokenizer.ggml.add_{name}_token", default):
+            if name not in ids:
+                raise ConfigError(f"tokenizer.ggml.{name}_token_id", None, f"add_{name}_token is set but no id is")
+            edges[name] = (tokens[ids[name]], ids[name])
+    if not edges:
+        return None
+    bos = [edges["bos"][0]] if "bos" in edges else []
+    eos = [edges["eos"][0]] if "eos" in edges else []
+    return processors.TemplateProcessing(single=" ".join([*bos, "$A", *eos]),
+                                         pair=" ".join([*bos, "$A", *eos, *bos, "$B", *eos]),
+                                         special_tokens=list(dict.fromkeys(edges.values())))
 
 
 def _cache_paths(path: str, cache_dir: str) -> tuple[Path, Path]:

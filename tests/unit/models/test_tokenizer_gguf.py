@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve.common.errors import ConfigError
-from pdserve.models.gguf_tokenizer import _pre_tokenizer
+from pdserve.models.gguf_byte_level import pre_tokenizer
 from pdserve.models.tokenizer import load_tokenizer
 
 TEXTS = [
@@ -98,12 +98,13 @@ def test_importing_and_using_the_tokenizer_never_imports_torch(smollm_gguf_path)
     assert out.stdout.strip() == "[6004] False"
 
 
-def write_tokenizer_gguf(path, model: str, pre: str, add_bos: bool = False) -> None:
+def write_tokenizer_gguf(path, model: str, pre: str, add_bos: bool = False, merges: bool = True) -> None:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(["a", "b", "ab", "<s>"])
-    writer.add_token_merges(["a b"])
+    if merges:
+        writer.add_token_merges(["a b"])
     writer.add_token_types([1, 1, 1, 3])
     if add_bos:
         writer.add_uint32("tokenizer.ggml.bos_token_id", 3)
@@ -133,21 +134,38 @@ def test_add_bos_token_flag_adds_bos_with_special_tokens(tmp_path):
     assert tokenizer.bos_token_id == 3
 
 
+def test_add_bos_token_without_a_bos_id_raises_config_error(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(str(tmp_path / "t.gguf"))
+    assert err.value.field == "tokenizer.ggml.bos_token_id"
+
+
 @pytest.mark.parametrize(("name", "pieces"), [
     ("gpt2", ["I", "'m", "Ġ12345", "Ġok"]),
     ("smollm", ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġok"]),
     ("llama-bpe", ["I", "'m", "Ġ", "123", "45", "Ġok"]),
+    ("qwen2", ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġok"]),
 ])
 def test_pre_tokenizers_split_like_llama_cpp(name, pieces):
-    assert [piece for piece, _ in _pre_tokenizer(name).pre_tokenize_str("I'm 12345 ok")] == pieces
+    assert [piece for piece, _ in pre_tokenizer(name).pre_tokenize_str("I'm 12345 ok")] == pieces
 
 
-@pytest.mark.parametrize(("model", "pre", "field"), [
-    ("llama", "default", "tokenizer.ggml.model"),
-    ("gpt2", "qwen2", "tokenizer.ggml.pre"),
+@pytest.mark.parametrize(("model", "pre", "merges", "field"), [
+    ("bert", "default", True, "tokenizer.ggml.model"),
+    ("gpt2", "qwen35", True, "tokenizer.ggml.pre"),
+    ("gpt2", "gpt2", False, "tokenizer.ggml.merges"),
+    ("llama", "default", True, "tokenizer.ggml.model"),
 ])
-def test_unsupported_gguf_tokenizers_raise_config_error(tmp_path, model, pre, field):
-    write_tokenizer_gguf(tmp_path / "t.gguf", model, pre)
+def test_unsupported_gguf_tokenizers_raise_config_error(tmp_path, model, pre, merges, field):
+    write_tokenizer_gguf(tmp_path / "t.gguf", model, pre, merges=merges)
     with pytest.raises(ConfigError) as err:
         load_tokenizer(str(tmp_path / "t.gguf"), cache_dir=str(tmp_path / "cache"))
     assert err.value.field == field

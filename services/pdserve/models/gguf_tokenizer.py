@@ -1,14 +1,15 @@
 """Build a `tokenizers` tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
 
-A GGUF carries no tokenizer.json: it stores the vocabulary, token types, special ids, and for
-byte-level BPE (`tokenizer.ggml.model` = "gpt2": gguf_byte_level) the merges and llama.cpp's
-pre-tokenizer name, rebuilt to tokenize as llama.cpp does; whatever a file asks for that is not
-served raises ConfigError naming its key. Conversion takes about 0.1 s for SmolLM2 (the metadata is parsed by `gguf_file`);
+A GGUF carries no tokenizer.json: it stores the vocabulary, token types, special ids and, by
+`tokenizer.ggml.model`, either byte-level BPE merges and llama.cpp's pre-tokenizer name ("gpt2":
+gguf_byte_level) or SentencePiece scores ("llama": gguf_sentencepiece). Both are rebuilt to
+tokenize as llama.cpp does; whatever a file asks for that is not served raises ConfigError
+naming its key. Conversion takes about 0.1 s for SmolLM2 (the metadata is parsed by `gguf_file`);
 the result may also be cached in a directory the caller chooses, keyed by the file's path, size
 and mtime.
 """
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,18 @@ from pdserve.models.conversion_cache import cache_key, write_file_atomically
 from pdserve.common.errors import ConfigError
 from pdserve.models.gguf_byte_level import byte_level_backend, is_byte_level_spelling
 from pdserve.models.gguf_file import read_gguf
+from pdserve.models.gguf_sentencepiece import sentencepiece_backend
 from pdserve.models.tokenizer_files import TokenizerSpec
 
 CONVERTER_VERSION = 2  # bump when conversion output changes, to invalidate caches
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # llama.cpp token types
 _SPECIAL_KEYS = ("bos", "eos", "unknown", "eot", "eom")  # tokenizer.ggml.<name>_token_id
 _SPECIAL_NAMES = ("bos", "eos", "unknown", "padding")  # special whatever their token type says
+_SENTENCEPIECE_DEFAULTS = {"bos": 1, "eos": 2, "unknown": 0}  # llama.cpp's, when the file names none
+_END_OF_TURN = frozenset((  # control tokens llama.cpp ends a generation on, known by their text
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+    "<|end_of_text|>", "<end_of_utterance>",
+))
 
 
 def read_gguf_tokenizer(path: str, cache_dir: str | None = None) -> tuple[BackendTokenizer, TokenizerSpec]:
@@ -45,18 +52,24 @@ def read_gguf_tokenizer(path: str, cache_dir: str | None = None) -> tuple[Backen
 
 def _convert(meta: dict[str, Any]) -> tuple[BackendTokenizer, TokenizerSpec]:
     model_type = meta.get("tokenizer.ggml.model")
-    if model_type != "gpt2":
+    if model_type not in ("gpt2", "llama"):
         raise ConfigError("tokenizer.ggml.model", model_type,
-                          "only byte-level BPE ('gpt2') GGUF tokenizers are supported")
+                          "supported: byte-level BPE ('gpt2') and SentencePiece ('llama') GGUF tokenizers")
     if "tokenizer.ggml.tokens" not in meta:
         raise ConfigError("tokenizer.ggml.tokens", None, "the file has no vocabulary")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or []
-    ids = _special_ids(meta, len(tokens), {})
-    backend = byte_level_backend(meta, tokens)
-    _add_special_tokens(backend, tokens, token_types, ids, is_byte_level_spelling)
-    backend.post_processor = _bos_eos_processor(meta, tokens, ids, add_bos_default=False)
-    return backend, TokenizerSpec(ids.get("bos"), _eos_ids(ids), meta.get("tokenizer.chat_template"))
+    ids = _special_ids(meta, len(tokens), _SENTENCEPIECE_DEFAULTS if model_type == "llama" else {})
+    if model_type == "gpt2":
+        backend = byte_level_backend(meta, tokens)
+        _add_special_tokens(backend, tokens, token_types, ids, is_byte_level_spelling)
+        eos_ids = _eos_ids(ids)
+    else:
+        backend = sentencepiece_backend(meta, tokens, ids.get("unknown"))
+        _add_special_tokens(backend, tokens, token_types, ids, lambda token: True)
+        eos_ids = _eos_ids(ids, _end_of_turn_ids(tokens, token_types))
+    backend.post_processor = _bos_eos_processor(meta, tokens, ids, add_bos_default=model_type == "llama")
+    return backend, TokenizerSpec(ids.get("bos"), eos_ids, meta.get("tokenizer.chat_template"))
 
 
 def _special_ids(meta: dict[str, Any], num_tokens: int, defaults: dict[str, int]) -> dict[str, int]:
@@ -92,8 +105,17 @@ def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], token_type
                         for i in user_defined if can_add(tokens[i])])
 
 
-def _eos_ids(ids: dict[str, int]) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(ids[name] for name in ("eos", "eot", "eom") if name in ids))
+def _end_of_turn_ids(tokens: list[str], token_types: list[int]) -> list[int]:
+    """Control tokens that end a turn by llama.cpp's list of names. Its converter writes one eos
+    id for a SentencePiece vocabulary, the tokenizer's (Gemma 3's <eos>, Phi-3's <|endoftext|>),
+    not the chat turn's end (<end_of_turn>, <|end|>). Byte-level files are left to their ids:
+    theirs name the turn's end as eos, and adding <|endoftext|> would change where they stop."""
+    return [i for i, (token, kind) in enumerate(zip(tokens, token_types)) if kind == CONTROL and token in _END_OF_TURN]
+
+
+def _eos_ids(ids: dict[str, int], extra: Sequence[int] = ()) -> tuple[int, ...]:
+    named = [ids[name] for name in ("eos", "eot", "eom") if name in ids]
+    return tuple(dict.fromkeys([*named, *extra]))
 
 
 def _bos_eos_processor(meta: dict[str, Any], tokens: list[str], ids: dict[str, int],

@@ -162,7 +162,7 @@ def test_pre_tokenizers_split_like_llama_cpp(name, pieces):
     ("bert", "default", True, "tokenizer.ggml.model"),
     ("gpt2", "qwen35", True, "tokenizer.ggml.pre"),
     ("gpt2", "gpt2", False, "tokenizer.ggml.merges"),
-    ("llama", "default", True, "tokenizer.ggml.model"),
+    ("llama", "default", False, "tokenizer.ggml.scores"),  # SentencePiece merges by score
 ])
 def test_unsupported_gguf_tokenizers_raise_config_error(tmp_path, model, pre, merges, field):
     write_tokenizer_gguf(tmp_path / "t.gguf", model, pre, merges=merges)

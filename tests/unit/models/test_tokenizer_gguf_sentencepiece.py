@@ -104,6 +104,28 @@ def test_vocab_size_is_the_files(family):
     assert tokenizer.vocab_size == len(metadata["tokenizer.ggml.tokens"])
 
 
+CHAT_TEMPLATES = {  # the shape of each family's template, as its GGUF carries it
+    "phi3": ("{% for message in messages %}{{'<|' + message['role'] + '|>' + '\\n' + message['content'] + "
+             "'<|end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"),
+    "gemma3": ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\\n' + "
+               "message['content'] + '<end_of_turn>\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(CHAT_TEMPLATES))
+def test_chat_prompt_matches_transformers(tmp_path, pieces, layout):
+    from transformers import AutoTokenizer
+
+    path = write_sentencepiece_gguf(tmp_path, layout, pieces, **{"tokenizer.chat_template": CHAT_TEMPLATES[layout]})
+    tokenizer, reference = load_tokenizer(str(path)), AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=GGUF_NAME)
+    chat = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And 3+3? Answer in 世界 style 🎉"}]
+    text = tokenizer.apply_chat_template(chat)
+    assert text == reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+
+
 # Exact ids on a hand-written vocabulary: <unk> <s> </s>, bytes 3..258, then pieces by score.
 HAND_PIECES = [("▁", -1.0), ("a", -2.0), ("b", -3.0), ("ab", -4.0), ("▁ab", -5.0), ("▁a", -6.0), ("ba", -7.0)]
 

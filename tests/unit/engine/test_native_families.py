@@ -68,3 +68,11 @@ def reason_for(checkpoint) -> str | None:
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe"])
 def test_served_families_are_not_refused(checkpoints, kind):  # the mixtures' refusals: test_native_moe.py
     assert reason_for(checkpoints[kind]) is None
+
+
+def test_heads_wider_than_the_attention_kernels_read_run_on_torch_ops(checkpoints):
+    config = ModelConfig.from_hf_config({**json.loads((checkpoints["llama"].path / "config.json").read_text()),
+                                         "head_dim": 288})
+    reason = native_unsupported_reason(SimpleNamespace(config=config, embed=torch.zeros(1)),
+                                       SimpleNamespace(tensor=torch.zeros(1)))
+    assert reason is not None and "head_dim 288" in reason

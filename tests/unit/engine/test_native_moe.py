@@ -38,11 +38,11 @@ def test_bf16_mixtures_stay_close_to_transformers(checkpoints, tmp_path, level, 
     assert torch.equal(logits.argmax(-1)[clear], reference.argmax(-1)[clear])
 
 
-@pytest.fixture(params=[1, 8])
+@pytest.fixture(params=[1, 2, 8])
 def threads(request):
-    """1: at least as many chosen experts as threads, so each thread takes whole experts
-    (moe.h); 8, more than the tiny models' 4 experts: they run one after another, each on every
-    thread."""
+    """2: at least as many chosen experts as threads, so each thread takes whole experts (moe.h),
+    on worker threads of their own (1 runs that branch inline, on the caller's thread); 8, more
+    than the tiny models' 4 experts: they run one after another, each on every thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param

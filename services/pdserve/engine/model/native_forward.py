@@ -77,6 +77,8 @@ def native_unsupported_reason(model: CausalLM, kv: PagedKvCache) -> str | None:
         return f"KV cache dtype {kv.tensor.dtype} differs from the model's"
     if c.head_dim % 32 or c.hidden_size % 16 or c.intermediate_size % 16:
         return "head_dim must be a multiple of 32, hidden and intermediate sizes of 16"
+    if c.head_dim > 256:  # the AVX-512 attention kernels read heads of up to 16 chunks of 16
+        return f"head_dim {c.head_dim} (the native attention runs heads of up to 256)"
     if c.moe is not None and c.moe.expert_intermediate_size % 16:
         return "a mixture's expert intermediate size must be a multiple of 16"
     return None

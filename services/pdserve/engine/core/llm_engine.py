@@ -38,6 +38,7 @@ from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
 from pdserve.engine.model.sampler import Sampler, SamplingRow, logit_batch, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
+from pdserve.engine.core.speculation import Speculator, Verified
 from pdserve.engine.core.stopping import finish_reason_after, is_stop_token
 from pdserve.engine.core.validation import check_request, check_request_id
 from pdserve.kvcache import BlockHashChain, KvCacheManager
@@ -47,13 +48,15 @@ class LLMEngine:
     """Owns the sequences of every live request; not thread-safe (one thread drives it)."""
 
     def __init__(self, runner, kv: KvCacheManager, tokenizer, config: SchedulerConfig, sampler: Sampler | None = None,
-                 clock: Callable[[], float] = time.monotonic, tier_store: TierStore | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, tier_store: TierStore | None = None,
+                 speculator: Speculator | None = None) -> None:
         self.runner = runner
         self.kv = kv
         self.tier_store = tier_store
         self.tokenizer = tokenizer
         self.config = config
         self.scheduler = Scheduler(config, kv)
+        self.speculator = speculator  # None: one token per sequence per step
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.sampler = sampler or Sampler(eos_token_ids=self.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
@@ -117,6 +120,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.adapters.drop_unused()
         started = self._clock()
+        if self.speculator is not None:
+            self.speculator.draft(self.scheduler.running, len(self.scheduler.waiting))
         chunks = self.scheduler.schedule()
         unread = self._move_between_tiers()
         if unread:
@@ -127,6 +132,7 @@ class LLMEngine:
         result = self.runner.forward(batch)
         self._step_stats.step_tokens.append(batch.num_tokens)
         sampled_rows: list[tuple[Sequence, object]] = []
+        verified: list[Verified] = []
         for chunk, seq_chunk, logits in zip(chunks, batch.chunks, result.logits):
             if seq_chunk.all_logits:
                 self._record_prompt_logprobs(chunk.seq, seq_chunk, logits)
@@ -134,9 +140,14 @@ class LLMEngine:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             if chunk.seq.times.scheduled_s is None:
                 chunk.seq.times.scheduled_s = started
-            if seq_chunk.needs_logits:
+            if chunk.drafts:
+                verified.append((chunk.seq, chunk.drafts, logits))
+            elif seq_chunk.needs_logits:
                 sampled_rows += [(seq, logits[-1]) for seq in self._siblings_to_sample(chunk.seq)]
-        return self._sample_and_emit(sampled_rows)
+        outputs = self._sample_and_emit(sampled_rows)
+        if verified:
+            outputs += self.speculator.verify(verified, self._sample_and_emit, self._step_stats.spec)
+        return outputs
 
     def take_step_stats(self) -> StepStats:
         """The request figures of the steps since the last call (for the worker's metrics)."""
@@ -235,9 +246,9 @@ class LLMEngine:
         seq = chunk.seq
         start = seq.num_computed_tokens
         end = start + chunk.num_tokens
-        return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:end]), start,
+        return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:end]) + chunk.drafts, start,
                         tuple(self.kv.block_ids(seq.seq_id)), needs_logits=end == len(seq.token_ids),
-                        all_logits=seq.wants_prompt_logprobs, lora_id=seq.request.lora_id,
+                        all_logits=seq.wants_prompt_logprobs or bool(chunk.drafts), lora_id=seq.request.lora_id,
                         is_prompt=start < seq.num_prompt_tokens)
 
     def _record_prompt_logprobs(self, seq: Sequence, chunk: SeqChunk, logits: torch.Tensor) -> None:

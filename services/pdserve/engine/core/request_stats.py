@@ -50,6 +50,30 @@ class FinishedSeq:
 
 
 @dataclass(slots=True)
+class SpecCounts:
+    """Speculative decoding's figures, as vLLM's `SpecDecodingStats`: sequence-steps that drafted,
+    tokens drafted, drafts accepted, and drafts accepted at each draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.num_drafts)
+
+    def drafted(self, num_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_tokens
+
+    def accepted(self, position: int) -> None:
+        self.num_accepted_tokens += 1
+        if position >= len(self.accepted_per_pos):
+            self.accepted_per_pos += [0] * (position + 1 - len(self.accepted_per_pos))
+        self.accepted_per_pos[position] += 1
+
+
+@dataclass(slots=True)
 class StepStats:
     """The figures of the steps since the last `LLMEngine.take_step_stats()`."""
 
@@ -59,9 +83,10 @@ class StepStats:
     prefills: list[PrefillDone] = field(default_factory=list)
     finished: list[FinishedSeq] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)  # tokens each model step computed, prompt and decode
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
     def __bool__(self) -> bool:
-        return bool(self.num_generation_tokens or self.prefills or self.finished or self.step_tokens)
+        return bool(self.num_generation_tokens or self.prefills or self.finished or self.step_tokens or self.spec)
 
     def token(self, times: SeqTimes, num_prompt_tokens: int, emitted: bool, now: float) -> None:
         """A sequence got a token at `now`; `emitted` is False for a prefill-only sequence."""
@@ -72,7 +97,8 @@ class StepStats:
                 self.prefills.append(PrefillDone(scheduled - times.arrival_s, now - scheduled, num_prompt_tokens))
             if emitted:
                 self.ttfts_s.append(now - times.arrival_s)
-        elif emitted and times.last_token_s is not None:
+        elif emitted and times.last_token_s is not None and now != times.last_token_s:
+            # One gap per step, as vLLM: the accepted drafts of a step come at its one time.
             self.inter_token_s.append(now - times.last_token_s)
         times.last_token_s = now
         self.num_generation_tokens += emitted

@@ -42,6 +42,7 @@ class SchedulerConfig:
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+    drafts: tuple[int, ...] = ()  # speculative tokens verified after them (their slots reserved too)
 
 
 class Scheduler:
@@ -89,9 +90,19 @@ class Scheduler:
                 continue  # preempted to make room for an earlier arrival
             n = min(seq.num_uncomputed, budget)
             if n > 0 and self._make_room(seq, n):
-                chunks.append(ScheduledChunk(seq, n))
-                budget -= n
+                drafts = seq.draft_tokens[:budget - n] if n == seq.num_uncomputed else ()
+                drafts = drafts if drafts and self._has_room(seq, n + len(drafts)) else ()
+                chunks.append(ScheduledChunk(seq, n, drafts))
+                budget -= n + len(drafts)
         return chunks + self._admit(budget, chunks)
+
+    def _has_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Reserve blocks for `num_tokens` if free ones are left; drafts never preempt anyone."""
+        try:
+            self.kv.allocate_slots(seq.seq_id, num_tokens)
+            return True
+        except OutOfBlocksError:
+            return False
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Reserve blocks for `seq`'s next chunk, preempting the latest arrivals as needed.

@@ -47,6 +47,7 @@ class Sequence:
     # siblings forked after the prefill share the first sequence's.
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     hash_chain: BlockHashChain = field(default_factory=BlockHashChain)  # its block digests, hashed once
+    draft_tokens: tuple[int, ...] = ()  # speculative tokens to verify after its next token (this step only)
 
     @property
     def num_prompt_tokens(self) -> int:

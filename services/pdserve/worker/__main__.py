@@ -27,6 +27,7 @@ from pdserve.common.tls import INSECURE_WARNING, TlsConfig, resolve_tls, speaks_
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.loading.weights import load_model_config, resolve_device
 from pdserve.engine.model.lora import LoraSettings
+from pdserve.common.speculative import parse_speculative_config
 from pdserve.kvcache import KvCacheConfig
 from pdserve.rpc.lora_service import add_lora_service
 from pdserve.worker.admission import BoundedEngine, entry_of
@@ -84,6 +85,7 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
         cache_dir=settings.cache_dir, disk_cache_dir=settings.disk_cache_dir, disk_cache_size=settings.disk_cache_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         lora=LoraSettings(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None,
+        speculative=None if settings.speculative_config is None else parse_speculative_config(settings.speculative_config),
     )
 
 

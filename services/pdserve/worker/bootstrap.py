@@ -16,6 +16,9 @@ from pdserve.common.stats import ModelInfo, WorkerRole
 from pdserve.models.tokenizer import load_tokenizer
 from pdserve.engine.model.kv_tensor import bytes_per_block, kv_storage_dtype
 from pdserve.engine.core.llm_engine import LLMEngine
+from pdserve.engine.core.speculation import Speculator
+from pdserve.common.speculative import SpeculativeConfig
+from pdserve.engine.spec.proposers import build_proposer
 from pdserve.engine.model.host_store import HostKvStore
 from pdserve.engine.model.lora import LoraSettings
 from pdserve.transfer.disk_store import DiskKvStore
@@ -55,6 +58,7 @@ class EngineSpec:
     disk_cache_size: int = 4 << 30
     gpu_memory_utilization: float = 0.9  # of a GPU's total memory, for the whole process (memory_budget.py)
     lora: LoraSettings | None = None  # None: no LoRA adapters
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 def build_llm_engine(spec: EngineSpec) -> LLMEngine:
@@ -80,7 +84,16 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
                         num_disk_blocks=num_disk_blocks, disk_verifier=store.verify if num_disk_blocks else None)
     if store is not None:
         adopt_disk_blocks(kv, store)
-    return LLMEngine(runner, kv, tokenizer, spec.scheduler, tier_store=store)
+    return LLMEngine(runner, kv, tokenizer, spec.scheduler, tier_store=store, speculator=_speculator(spec, kv))
+
+
+def _speculator(spec: EngineSpec, kv: KvCacheManager) -> Speculator | None:
+    """Speculative decoding's drafter and verifier; None without it, and on a prefill worker (a
+    prompt's first token is its own step's; the decode worker speculates)."""
+    if spec.speculative is None or spec.role is WorkerRole.PREFILL:
+        return None
+    log.info("speculative decoding: %s", spec.speculative.to_json())
+    return Speculator(spec.speculative, build_proposer(spec.speculative), kv, spec.scheduler.max_model_len)
 
 
 def _tier_store(spec: EngineSpec, runner: ModelRunner, per_block: int) -> KvTierStore | None:

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.common.stats import EngineStats
-from pdserve.engine.core.request_stats import StepStats
+from pdserve.engine.core.request_stats import SpecCounts, StepStats
 from pdserve.worker.async_engine import ThreadedEngine
 from pdserve.worker.engine_views import QueueView
 
@@ -91,6 +91,12 @@ class EngineMetrics:
         self.request_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Number of generation tokens processed.", tokens)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted tokens per draft position.", [*LABELS, "position"], registry=registry)
+        self.spec_accepted_at = lambda position: per_pos.labels(*values, str(position))
 
     def record(self, stats: StepStats) -> None:
         """Observe one batch of the engine's figures (on the engine thread; never blocks)."""
@@ -105,6 +111,7 @@ class EngineMetrics:
             self.prompt_tokens.inc(done.num_prompt_tokens)
             self.queue.observe(done.queue_s)
             self.prefill.observe(done.prefill_s)
+        self._record_spec(stats.spec)
         for seq in stats.finished:
             self.success[seq.finish_reason].inc()
             self.e2e.observe(seq.e2e_s)
@@ -114,6 +121,16 @@ class EngineMetrics:
                 self.inference.observe(seq.inference_s)
             if seq.decode_s is not None:
                 self.decode.observe(seq.decode_s)
+
+
+    def _record_spec(self, counts: SpecCounts) -> None:
+        if not counts:
+            return
+        self.spec_drafts.inc(counts.num_drafts)
+        self.spec_draft_tokens.inc(counts.num_draft_tokens)
+        self.spec_accepted.inc(counts.num_accepted_tokens)
+        for position, num_accepted in enumerate(counts.accepted_per_pos):
+            self.spec_accepted_at(position).inc(num_accepted)
 
 
 class EngineSnapshotCollector(Collector):

@@ -14,7 +14,7 @@ from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.core.speculation import Speculator
 from pdserve.engine.model.host_store import HostKvStore
-from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.common.speculative import SpeculativeConfig
 from pdserve.engine.spec.proposers import NgramDrafts
 from pdserve.kvcache import KvCacheConfig, KvCacheManager
 from token_store_runner import CharTokenizer

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.stats import EngineStats
-from pdserve.engine.core.request_stats import FinishedSeq, PrefillDone, StepStats
+from pdserve.engine.core.request_stats import FinishedSeq, PrefillDone, SpecCounts, StepStats
 from pdserve.worker.engine_views import QueueView
 from pdserve.worker.engine_metrics import EngineMetrics, EngineSnapshotCollector, build_1_2_5_buckets
 
@@ -52,6 +52,19 @@ def test_step_figures_become_vllms_request_series() -> None:
     steps = found["vllm:iteration_tokens_total"]
     assert value(steps, "_count", **LABELS) == 2 and value(steps, "_sum", **LABELS) == 22
     assert value(steps, "_bucket", le="1.0", **LABELS) == 1 and value(steps, "_bucket", le="16.0", **LABELS) == 1
+
+
+def test_speculative_counts_become_vllms_spec_decode_series() -> None:
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "tiny", max_model_len=512)
+    metrics.record(StepStats(spec=SpecCounts(3, 10, 5, [3, 2])))
+    metrics.record(StepStats(spec=SpecCounts(1, 4, 1, [1])))
+    found = families(registry)
+    assert value(found["vllm:spec_decode_num_drafts"], "_total", **LABELS) == 4
+    assert value(found["vllm:spec_decode_num_draft_tokens"], "_total", **LABELS) == 14
+    assert value(found["vllm:spec_decode_num_accepted_tokens"], "_total", **LABELS) == 6
+    per_pos = found["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert {s.labels["position"]: s.value for s in per_pos.samples if s.name.endswith("_total")} == {"0": 4.0, "1": 2.0}
 
 
 def test_ttft_buckets_reach_past_the_600_s_first_output_timeout_and_token_buckets_the_model_length() -> None:

@@ -10,6 +10,7 @@ from pdserve.common.settings.options import (LOG_LEVELS, api_key_option, api_key
                                              default_cache_dir, insecure_internal_option, opt, protect_metrics_option,
                                              tls_dir_option)
 from pdserve.common.stats import WorkerRole
+from pdserve.common.speculative import parse_speculative_config
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 # --kernels: the ISA levels are those the native kernels are built for (engine/model/native/levels.py)
@@ -17,7 +18,13 @@ KERNEL_CHOICES = ("auto", "native", "torch", "jit", "avx2", "avx512", "avx512_bf
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
-POD_NAME_ENV = "POD_NAME"  # a Kubernetes pod's name, set through the downward API
+POD_NAME_ENV = "POD_NAME"
+
+
+def _normalised_speculative_config(raw: object) -> str:
+    """The JSON (text, or a config file's mapping) checked, and written back in one form."""
+    return parse_speculative_config(raw).to_json()
+  # a Kubernetes pod's name, set through the downward API
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +94,11 @@ class WorkerSettings:
     lora_dir: tuple[str, ...] = opt((), parse=cv.parse_names, flag="lora-dir",
                                     help="folders an adapter loaded at runtime (/v1/load_lora_adapter) must lie "
                                          "in, links resolved; none: runtime loads are refused")
+    speculative_config: str | None = opt(None, parse=cv.optional(_normalised_speculative_config),
+                                         help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
+                                              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} (methods: "
+                                              "ngram, draft_model, eagle, eagle3, mtp; \"disable_by_batch_size\": N "
+                                              "stops drafting while N requests run or wait); unset: none")
     drain_timeout_s: float = opt(5.0, parse=cv.parse_float, flag="drain-timeout",
                                  help="seconds running requests may finish after SIGTERM")
     log_level: str = opt("info", parse=cv.choice(*LOG_LEVELS), help="logging level")

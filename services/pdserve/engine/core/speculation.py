@@ -28,7 +28,7 @@ import torch
 from pdserve.common.request import RequestOutput
 from pdserve.engine.core.request_stats import SpecCounts
 from pdserve.engine.core.sequence import Sequence, SeqStatus
-from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.common.speculative import SpeculativeConfig
 from pdserve.engine.spec.proposers import Proposer
 from pdserve.kvcache import KvCacheManager
 

@@ -3,7 +3,7 @@ from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from pdserve.common.errors import ConfigError
-from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.common.speculative import SpeculativeConfig
 from pdserve.engine.spec.ngram import NgramProposer
 
 

@@ -18,7 +18,7 @@ from pdserve.engine.model.kv_tensor import bytes_per_block, kv_storage_dtype
 from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.speculation import Speculator
 from pdserve.common.speculative import SpeculativeConfig
-from pdserve.engine.spec.proposers import build_proposer
+from pdserve.engine.spec.proposers import DrafterContext, build_proposer, drafter_bytes_per_block
 from pdserve.engine.model.host_store import HostKvStore
 from pdserve.engine.model.lora import LoraSettings
 from pdserve.transfer.disk_store import DiskKvStore
@@ -67,8 +67,10 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
     config = load_model_config(spec.model)
     device = resolve_device(spec.device)
     model_dtype = resolve_dtype(spec.dtype, config, device)
-    per_block = bytes_per_block(config, spec.kv.tokens_per_block, kv_storage_dtype(spec.kv_cache_dtype, model_dtype))
-    num_blocks = spec.kv.num_blocks(per_block, kv_memory_budget(spec, config, model_dtype, device))
+    storage = kv_storage_dtype(spec.kv_cache_dtype, model_dtype)
+    per_block = bytes_per_block(config, spec.kv.tokens_per_block, storage)
+    drafter_per_block = drafter_bytes_per_block(spec.speculative, spec.kv.tokens_per_block, storage)
+    num_blocks = spec.kv.num_blocks(per_block + drafter_per_block, kv_memory_budget(spec, config, model_dtype, device))
     max_len = spec.scheduler.max_model_len
     if num_blocks * spec.kv.tokens_per_block < max_len:
         raise ConfigError("max_model_len", max_len,
@@ -84,16 +86,17 @@ def build_llm_engine(spec: EngineSpec) -> LLMEngine:
                         num_disk_blocks=num_disk_blocks, disk_verifier=store.verify if num_disk_blocks else None)
     if store is not None:
         adopt_disk_blocks(kv, store)
-    return LLMEngine(runner, kv, tokenizer, spec.scheduler, tier_store=store, speculator=_speculator(spec, kv))
+    return LLMEngine(runner, kv, tokenizer, spec.scheduler, tier_store=store, speculator=_speculator(spec, runner, kv))
 
 
-def _speculator(spec: EngineSpec, kv: KvCacheManager) -> Speculator | None:
+def _speculator(spec: EngineSpec, runner: ModelRunner, kv: KvCacheManager) -> Speculator | None:
     """Speculative decoding's drafter and verifier; None without it, and on a prefill worker (a
     prompt's first token is its own step's; the decode worker speculates)."""
     if spec.speculative is None or spec.role is WorkerRole.PREFILL:
         return None
     log.info("speculative decoding: %s", spec.speculative.to_json())
-    return Speculator(spec.speculative, build_proposer(spec.speculative), kv, spec.scheduler.max_model_len)
+    context = DrafterContext(runner, kv, spec.dtype, spec.kernels, spec.cache_dir)
+    return Speculator(spec.speculative, build_proposer(spec.speculative, context), kv, spec.scheduler.max_model_len)
 
 
 def _tier_store(spec: EngineSpec, runner: ModelRunner, per_block: int) -> KvTierStore | None:

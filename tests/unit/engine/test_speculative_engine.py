@@ -41,6 +41,9 @@ class ScriptedDrafts:
             drafts.append([t if (i + self.calls) % 3 else (t + 1) % self.vocab for i, t in enumerate(truth)])
         return drafts
 
+    def observe(self, batch, output):
+        pass
+
 
 def _engine(checkpoint, proposer=None, k=4, num_blocks=64, budget=512, kernels="auto", host_blocks=0,
             disable_by_batch_size=None):

@@ -130,6 +130,8 @@ class LLMEngine:
             return []
         batch = ForwardBatch(tuple(self._seq_chunk(c) for c in chunks))
         result = self.runner.forward(batch)
+        if self.speculator is not None:
+            self.speculator.proposer.observe(batch, result)
         self._step_stats.step_tokens.append(batch.num_tokens)
         sampled_rows: list[tuple[Sequence, object]] = []
         verified: list[Verified] = []

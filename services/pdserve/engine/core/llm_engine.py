@@ -19,7 +19,6 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
-import torch
 
 from pdserve.engine.core.adapters import Adapters
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker, StopPiece
@@ -28,17 +27,16 @@ from pdserve.engine.core.remote_prefill import RemotePrefill
 from pdserve.engine.core.request_stats import SeqTimes, StepStats
 from pdserve.common.errors import InvalidRequestError, OutOfBlocksError
 from pdserve.common.ids import BlockId, RequestId
-from pdserve.common.request import GenerationRequest, RequestOutput, TokenLogprob
+from pdserve.common.request import GenerationRequest, RequestOutput
 from pdserve.engine.loading.lora_files import LoraCheckpoint
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
 from pdserve.engine.model.guided import GuideCompiler, GuideMatcher
 from pdserve.engine.model.host_store import TierStore
 from pdserve.engine.model.logits_processors import TokenHistory
-from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
 from pdserve.engine.model.sampler import Sampler, SamplingRow, logit_batch, make_generator
 from pdserve.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pdserve.engine.core.sequence import Sequence, SeqStatus
-from pdserve.engine.core.speculation import Speculator, Verified
+from pdserve.engine.core.speculation import NO_SPECULATION, Speculator, Verified
 from pdserve.engine.core.stopping import finish_reason_after, is_stop_token
 from pdserve.engine.core.validation import check_request, check_request_id
 from pdserve.kvcache import BlockHashChain, KvCacheManager
@@ -56,7 +54,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.scheduler = Scheduler(config, kv)
-        self.speculator = speculator  # None: one token per sequence per step
+        self.speculator = speculator or NO_SPECULATION
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.sampler = sampler or Sampler(eos_token_ids=self.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
@@ -120,8 +118,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.adapters.drop_unused()
         started = self._clock()
-        if self.speculator is not None:
-            self.speculator.draft(self.scheduler.running, len(self.scheduler.waiting))
+        self.speculator.draft(self.scheduler.running, len(self.scheduler.waiting))
         chunks = self.scheduler.schedule()
         unread = self._move_between_tiers()
         if unread:
@@ -130,14 +127,13 @@ class LLMEngine:
             return []
         batch = ForwardBatch(tuple(self._seq_chunk(c) for c in chunks))
         result = self.runner.forward(batch)
-        if self.speculator is not None:
-            self.speculator.proposer.observe(batch, result)
+        self.speculator.observe(batch, result)
         self._step_stats.step_tokens.append(batch.num_tokens)
         sampled_rows: list[tuple[Sequence, object]] = []
         verified: list[Verified] = []
         for chunk, seq_chunk, logits in zip(chunks, batch.chunks, result.logits):
             if seq_chunk.all_logits:
-                self._record_prompt_logprobs(chunk.seq, seq_chunk, logits)
+                chunk.seq.record_prompt_logprobs(seq_chunk.start_pos, len(seq_chunk.token_ids), logits)
             self.kv.mark_computed(chunk.seq.seq_id, chunk.num_tokens)
             chunk.seq.num_computed_tokens += chunk.num_tokens
             if chunk.seq.times.scheduled_s is None:
@@ -253,17 +249,6 @@ class LLMEngine:
                         all_logits=seq.wants_prompt_logprobs or bool(chunk.drafts), lora_id=seq.request.lora_id,
                         is_prompt=start < seq.num_prompt_tokens)
 
-    def _record_prompt_logprobs(self, seq: Sequence, chunk: SeqChunk, logits: torch.Tensor) -> None:
-        """Keep the logprobs of the prompt tokens this chunk's rows predict:
-        row i, at position start + i, predicts prompt token start + i + 1."""
-        num_rows = min(len(chunk.token_ids), seq.num_prompt_tokens - 1 - chunk.start_pos)
-        if num_rows <= 0:
-            return
-        first = chunk.start_pos + 1
-        next_ids = seq.token_ids[first:first + num_rows]
-        entries = prompt_token_logprobs(logits[:num_rows], next_ids, seq.request.sampling.prompt_logprobs or 0)
-        seq.prompt_logprobs.update(zip(range(first, first + num_rows), entries))
-
     def _siblings_to_sample(self, seq: Sequence) -> list[Sequence]:
         """`seq`, plus its n-1 siblings forked off it when its prompt has just been computed."""
         family = self._requests[seq.request.request_id]
@@ -326,16 +311,8 @@ class LLMEngine:
         if guide_error is not None:
             output = replace(output, error=guide_error, error_param="guide")  # the request's guide, not us
         if seq.num_output_tokens == 1 and sampling.prompt_logprobs is not None:
-            output = replace(output, prompt_logprobs=self._prompt_logprobs(seq))
+            output = replace(output, prompt_logprobs=seq.known_prompt_logprobs())
         return output
-
-    @staticmethod
-    def _prompt_logprobs(seq: Sequence) -> tuple[TokenLogprob, ...]:
-        """The prompt's logprobs, tokens 1.. in order; () where they were not computed here (a
-        prompt a peer prefilled: the decode worker keeps such requests local, so never in practice)."""
-        known = seq.prompt_logprobs
-        positions = range(1, seq.num_prompt_tokens)
-        return tuple(known[p] for p in positions) if all(p in known for p in positions) else ()
 
     def _finish(self, seq: Sequence) -> None:
         if seq.prefill_only:

@@ -6,10 +6,13 @@ A request with `n` completions becomes `n` sequences; they share the prompt's bl
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer, StopChecker
 from pdserve.engine.core.request_stats import SeqTimes
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, TokenLogprob
+from pdserve.engine.model.prompt_logprobs import prompt_token_logprobs
 from pdserve.kvcache import BlockHashChain, CacheRequest
 
 
@@ -73,6 +76,24 @@ class Sequence:
         return CacheRequest(self.seq_id, self.token_ids, r.lora_id, r.cache_salt, r.multimodal,
                             r.priorities, num_claim_tokens=num_claim_tokens,
                             reuse_cached_prefix=not self.wants_prompt_logprobs, hash_chain=self.hash_chain)
+
+    def record_prompt_logprobs(self, start_pos: int, num_tokens: int, logits: torch.Tensor) -> None:
+        """Keep the logprobs of the prompt tokens a chunk's rows predict: row i, at position
+        start_pos + i, predicts prompt token start_pos + i + 1."""
+        num_rows = min(num_tokens, self.num_prompt_tokens - 1 - start_pos)
+        if num_rows <= 0:
+            return
+        first = start_pos + 1
+        next_ids = self.token_ids[first:first + num_rows]
+        entries = prompt_token_logprobs(logits[:num_rows], next_ids, self.request.sampling.prompt_logprobs or 0)
+        self.prompt_logprobs.update(zip(range(first, first + num_rows), entries))
+
+    def known_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The prompt's logprobs, tokens 1.. in order; () where they were not computed here (a
+        prompt a peer prefilled: the decode worker keeps such requests local, so never in practice)."""
+        positions = range(1, self.num_prompt_tokens)
+        known = self.prompt_logprobs
+        return tuple(known[p] for p in positions) if all(p in known for p in positions) else ()
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -60,6 +60,10 @@ class Speculator:
         for seq, budget, drafts in zip(seqs, budgets, self.proposer.propose(seqs, budgets)):
             seq.draft_tokens = tuple(drafts[:budget])
 
+    def observe(self, batch, output) -> None:
+        """The target's step, for a drafter that reads its hidden states or keeps K/V of its own."""
+        self.proposer.observe(batch, output)
+
     def _budget(self, seq: Sequence) -> int:
         """Drafts worth verifying: none past max_tokens (the last emitted token is the target's own)
         or the context limit (the chunk's last draft sits at position len(token_ids) + k - 1)."""
@@ -87,6 +91,19 @@ class Speculator:
             alive = agreeing
             position += 1
         return list(merged.values())
+
+
+class NoSpeculation:
+    """One token per sequence per step: drafts nothing, so the engine never verifies."""
+
+    def draft(self, running: list[Sequence], num_waiting: int) -> None:
+        pass
+
+    def observe(self, batch, output) -> None:
+        pass
+
+
+NO_SPECULATION = NoSpeculation()
 
 
 def _is_decoding(seq: Sequence) -> bool:

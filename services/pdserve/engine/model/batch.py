@@ -8,6 +8,8 @@ absolute: token i of a chunk sits at position `start_pos + i`, its KV goes to
 """
 from dataclasses import dataclass, field
 
+import torch
+
 from pdserve.common.ids import RequestId
 
 
@@ -32,8 +34,31 @@ class ForwardBatch:
         return sum(len(c.token_ids) for c in self.chunks)
 
 
+@dataclass(slots=True, frozen=True)
+class HiddenCapture:
+    """Which of the target's hidden states a step returns for every token (a drafter's ask):
+    `final`, the final normed hidden state (what the LM head reads: EAGLE-1, MTP), and `layers`,
+    the residual stream entering each of these decoder layers (EAGLE-3's low, mid and high)."""
+
+    final: bool = False
+    layers: tuple[int, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.final and not self.layers
+
+
+@dataclass(slots=True, frozen=True)
+class HiddenStates:
+    """One step's hidden states, a row per token of the flattened batch (chunk after chunk)."""
+
+    final: torch.Tensor | None  # (T, H) where `HiddenCapture.final`, else None
+    layers: torch.Tensor | None  # (T, len(layers) * H): each asked layer's input side by side, else None
+
+
 @dataclass(slots=True)
 class ForwardOutput:
     # logits[i] is (num_positions_i, vocab): 1 row for needs_logits, len(chunk) rows for
     # all_logits, 0 rows otherwise.
     logits: list = field(default_factory=list)
+    hidden: HiddenStates | None = None  # only where the runner was asked (`ModelRunner.capture_hidden`)

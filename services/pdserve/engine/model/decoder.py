@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from pdserve.common.errors import ConfigError
 from pdserve.engine.model.attention import AttentionPlan, paged_attention
+from pdserve.engine.model.batch import HiddenCapture, HiddenStates
 from pdserve.engine.model.kv_tensor import PagedKvCache
 from pdserve.engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pdserve.engine.model.lora import NO_LORA, O_PROJ, QKV, LoraStep
@@ -182,10 +183,11 @@ class CausalLM:
         return {layer.window for layer in self.layers}
 
     def forward(self, token_ids: torch.Tensor, plans: dict[int | None, AttentionPlan], kv: PagedKvCache,
-                logit_rows: torch.Tensor, lora: LoraStep = NO_LORA) -> torch.Tensor:
-        """token_ids (T,) -> float32 logits (R, vocab) of the hidden rows `logit_rows` (R,);
-        `plans` has the step's attention plan for each of `windows`; `lora` adds each
-        adapter's deltas to its own rows."""
+                logit_rows: torch.Tensor, lora: LoraStep = NO_LORA,
+                capture: HiddenCapture | None = None) -> tuple[torch.Tensor, HiddenStates | None]:
+        """token_ids (T,) -> float32 logits (R, vocab) of the hidden rows `logit_rows` (R,), and
+        the hidden states `capture` asks for (None without it); `plans` has the step's attention
+        plan for each of `windows`; `lora` adds each adapter's deltas to its own rows."""
         if self.matrices_dropped:
             raise RuntimeError("this model's matrices were handed to the native kernels; run it through them")
         h = F.embedding(token_ids, self.embed)  # (T, H)
@@ -193,9 +195,19 @@ class CausalLM:
             h = h * self.embed_scale
         positions = next(iter(plans.values())).positions
         rotations = [rope.cos_sin(positions, h.dtype) for rope in self.ropes]  # (cos, sin), (T, 1, hd) each
+        inputs = []  # the residual stream entering each captured layer, in `capture.layers` order
         for layer in self.layers:
+            if capture is not None and layer.index in capture.layers:
+                inputs.append((layer.index, h))
             h = layer(h, *rotations[layer.rope], plans[layer.window], kv, lora)
+        hidden = None if capture is None else _captured(capture, inputs, self.norm(h) if capture.final else None)
         if logit_rows.numel() == 0:
-            return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+            return h.new_empty(0, self.config.vocab_size, dtype=torch.float32), hidden
         last = self.norm(h.index_select(0, logit_rows))  # (R, H)
-        return F.linear(last, self.lm_head).float()
+        return F.linear(last, self.lm_head).float(), hidden
+
+
+def _captured(capture: HiddenCapture, inputs: list[tuple[int, torch.Tensor]], final: torch.Tensor | None) -> HiddenStates:
+    by_layer = dict(inputs)
+    layers = torch.cat([by_layer[i] for i in capture.layers], dim=1) if capture.layers else None  # (T, n H)
+    return HiddenStates(final, layers)

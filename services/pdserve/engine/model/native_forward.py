@@ -10,7 +10,7 @@ import torch
 
 from pdserve.common.errors import ConfigError
 from pdserve.engine.loading.mapped_pages import release_copied_pages
-from pdserve.engine.model.batch import ForwardBatch
+from pdserve.engine.model.batch import ForwardBatch, HiddenCapture, HiddenStates
 from pdserve.engine.model.decoder import CausalLM, DecoderLayer
 from pdserve.engine.model.kv_tensor import PagedKvCache
 from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding
@@ -165,6 +165,8 @@ class NativeForward:
                 release_copied_pages(plain + experts)
                 layer.drop_matrices()
         lm_head = matrix(model.lm_head)
+        self._lm_head = lm_head  # the kernels' own (packed) copy, shared: for `lm_head_logits`
+        self._vocab_size = c.vocab_size
         if form != "plain":
             if model.lm_head is not model.embed:
                 release_copied_pages([model.lm_head])
@@ -188,10 +190,15 @@ class NativeForward:
         self._threads = torch.frombuffer(count, dtype=torch.int32)
         self._model.follow_threads(self._threads)
 
-    def forward(self, batch: ForwardBatch, kv: PagedKvCache, logit_rows: list[int],
-                lora: LoraStep = NO_LORA) -> torch.Tensor:
-        """float32 logits (len(logit_rows), vocab) of the step's flattened rows `logit_rows`;
-        `lora` adds each adapter's deltas to its own rows."""
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (R, H) -> float32 logits (R, vocab) through the LM head as the kernels hold it."""
+        return self._model.linear(hidden, self._lm_head, None, None, self._vocab_size).float()
+
+    def forward(self, batch: ForwardBatch, kv: PagedKvCache, logit_rows: list[int], lora: LoraStep = NO_LORA,
+                capture: HiddenCapture | None = None) -> tuple[torch.Tensor, HiddenStates | None]:
+        """float32 logits (len(logit_rows), vocab) of the step's flattened rows `logit_rows`, and
+        the hidden states `capture` asks for (None without it); `lora` adds each adapter's deltas
+        to its own rows."""
         chunks = batch.chunks
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
         segments, first = [], 0
@@ -202,5 +209,9 @@ class NativeForward:
         tables = torch.tensor([c.block_table + (0,) * (width - len(c.block_table)) for c in chunks],
                               dtype=torch.int32)  # (S, width), padding never read
         groups = [(rows, adapter.kernel_weights) for adapter, rows in lora.groups]
-        return self._model.forward(token_ids, torch.tensor(segments, dtype=torch.int32), tables,
-                                   torch.tensor(logit_rows, dtype=torch.int64), kv.tensor, groups)
+        args = (token_ids, torch.tensor(segments, dtype=torch.int32), tables,
+                torch.tensor(logit_rows, dtype=torch.int64), kv.tensor, groups)
+        if capture is None:
+            return self._model.forward(*args), None
+        logits, final, layers = self._model.forward_hidden(*args, list(capture.layers), capture.final)
+        return logits, HiddenStates(final, layers)

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.common.errors import ConfigError, InvalidRequestError
 from pdserve.engine.model.attention import plan_attention
-from pdserve.engine.model.batch import ForwardBatch, ForwardOutput, SeqChunk
+from pdserve.engine.model.batch import ForwardBatch, ForwardOutput, HiddenCapture, SeqChunk
 from pdserve.engine.model.kv_tensor import (PagedKvCache, allocate_kv_tensor, bytes_per_block,
                                       kv_storage_dtype, num_blocks_for_budget)
 from pdserve.engine.model.decoder import CausalLM
@@ -28,6 +28,7 @@ class ModelRunner:
         self.device = device
         self.native = native  # None: every step runs the torch ops of `model`
         self.lora = lora  # None: LoRA is off and a chunk naming an adapter is refused
+        self.capture: HiddenCapture | None = None  # the hidden states every step returns (a drafter's)
 
     @classmethod
     def load(cls, model_path: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
@@ -83,9 +84,31 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.config, self.tokens_per_block, self.kv.tensor.dtype)
 
+    def capture_hidden(self, capture: HiddenCapture) -> None:
+        """Return these hidden states of every token from each step on (`ForwardOutput.hidden`);
+        an empty capture stops it. ConfigError for a layer the model does not have."""
+        bad = [i for i in capture.layers if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ConfigError("hidden_state_layers", bad, f"the model has layers 0..{self.config.num_layers - 1}")
+        self.capture = None if capture.is_empty else capture
+
+    @torch.inference_mode()
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids (T,) -> the rows of the input embedding (T, H), unscaled (as a head reads them)."""
+        return self.model.embed.index_select(0, token_ids)
+
+    @torch.inference_mode()
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (R, H) in the model's dtype -> float32 logits (R, vocab) through the target's LM
+        head, on the path its own steps take (a head drafting with the target's LM head)."""
+        if self.native is not None:
+            return self.native.lm_head_logits(hidden)
+        return torch.nn.functional.linear(hidden, self.model.lm_head).float()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        """Compute every chunk's tokens, writing their K/V; float32 logits per chunk.
+        """Compute every chunk's tokens, writing their K/V; float32 logits per chunk, and the
+        hidden states of every token where `capture_hidden` asked for them.
 
         Raises InvalidRequestError (changing nothing) when a chunk is empty, out of the
         vocabulary or position range, or its block table is short or out of range.
@@ -94,16 +117,18 @@ class ModelRunner:
         counts = [_num_logit_rows(c) for c in batch.chunks]
         lora = NO_LORA if self.lora is None else self.lora.plan([(c.lora_id, len(c.token_ids)) for c in batch.chunks])
         if self.native is not None:
-            logits = self.native.forward(batch, self.kv, _logit_rows(batch.chunks), lora)  # (R, vocab)
+            logits, hidden = self.native.forward(batch, self.kv, _logit_rows(batch.chunks), lora,
+                                                 self.capture)  # (R, vocab)
         else:
             plans = {window: plan_attention(batch, self.kv, window) for window in self.model.windows}
             token_ids = torch.tensor([t for c in batch.chunks for t in c.token_ids], dtype=torch.int64)
             logit_rows = torch.tensor(_logit_rows(batch.chunks), dtype=torch.int64, device=self.device)
-            logits = self.model.forward(token_ids.to(self.device), plans, self.kv, logit_rows, lora)  # (R, vocab)
+            logits, hidden = self.model.forward(token_ids.to(self.device), plans, self.kv, logit_rows, lora,
+                                                self.capture)  # (R, vocab)
         cap = self.config.final_logit_softcap
         if cap is not None:  # Gemma: cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
-        return ForwardOutput(list(torch.split(logits, counts)))
+        return ForwardOutput(list(torch.split(logits, counts)), hidden)
 
     def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
         """Copy whole blocks src_ids[i] -> dst_ids[i] (copy-on-write of a shared last block)."""

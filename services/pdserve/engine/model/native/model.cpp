@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #if defined(__AVX512F__)
@@ -78,13 +79,27 @@ class NativeModel {
   // Returns float32 logits (R, V).
   at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& segments, const at::Tensor& tables,
                      const at::Tensor& logit_rows, const at::Tensor& kv, const std::vector<LoraGroup>& lora) {
-    TORCH_CHECK(kv.scalar_type() == embed_.scalar_type(), "KV dtype must equal the weights' dtype");
-    check_segments(segments, tables);
-    for (const auto& [rows, weights] : lora)
-      TORCH_CHECK(weights && weights->layers.size() == layers_.size(), "a LoRA adapter of ", layers_.size(),
-                  " layers");
+    check_step(segments, tables, kv, lora);
     if (embed_.scalar_type() == at::kBFloat16) return run<bf16>(token_ids, segments, tables, logit_rows, kv, lora);
     return run<float>(token_ids, segments, tables, logit_rows, kv, lora);
+  }
+
+  // `forward`, also returning hidden states of every token (a drafter's: EAGLE, MTP): the final
+  // normed one where `final` (T, H), and the residual stream entering each of `layers`, side by
+  // side (T, len(layers) * H); undefined (None) where not asked. The logits are `forward`'s bits.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_hidden(
+      const at::Tensor& token_ids, const at::Tensor& segments, const at::Tensor& tables, const at::Tensor& logit_rows,
+      const at::Tensor& kv, const std::vector<LoraGroup>& lora, const std::vector<int64_t>& layers, bool final) {
+    for (int64_t layer : layers)
+      TORCH_CHECK(layer >= 0 && layer < int64_t(layers_.size()), "no layer ", layer, " to capture");
+    Capture capture{layers, final, at::Tensor(), at::Tensor()};
+    if (!layers.empty()) capture.inputs = at::empty({token_ids.size(0), int64_t(layers.size()) * embed_.size(1)},
+                                                    embed_.options());
+    check_step(segments, tables, kv, lora);
+    at::Tensor logits = embed_.scalar_type() == at::kBFloat16
+                            ? run<bf16>(token_ids, segments, tables, logit_rows, kv, lora, &capture)
+                            : run<float>(token_ids, segments, tables, logit_rows, kv, lora, &capture);
+    return {logits, capture.final_hidden, capture.inputs};
   }
 
   // A one-element int32 tensor that another thread may change while a step runs: each layer
@@ -105,9 +120,27 @@ class NativeModel {
   }
 
  private:
+  void check_step(const at::Tensor& segments, const at::Tensor& tables, const at::Tensor& kv,
+                  const std::vector<LoraGroup>& lora) const {
+    TORCH_CHECK(kv.scalar_type() == embed_.scalar_type(), "KV dtype must equal the weights' dtype");
+    check_segments(segments, tables);
+    for (const auto& [rows, weights] : lora)
+      TORCH_CHECK(weights && weights->layers.size() == layers_.size(), "a LoRA adapter of ", layers_.size(),
+                  " layers");
+  }
+
+  // The hidden states a step hands back (`forward_hidden`), filled as the layers run.
+  struct Capture {
+    std::vector<int64_t> layers;  // the residual stream entering each, in this order
+    bool final;                   // the final normed hidden state
+    at::Tensor inputs;            // (T, len(layers) * H)
+    at::Tensor final_hidden;      // (T, H)
+  };
+
   template <typename T>
   at::Tensor run(const at::Tensor& token_ids, const at::Tensor& segments, const at::Tensor& tables,
-                 const at::Tensor& logit_rows, const at::Tensor& kv, const std::vector<LoraGroup>& lora) {
+                 const at::Tensor& logit_rows, const at::Tensor& kv, const std::vector<LoraGroup>& lora,
+                 Capture* capture = nullptr) {
     const int64_t num_layers = kv.size(1), tpb = kv.size(3);
     TORCH_CHECK(num_layers == int64_t(layers_.size()), "KV tensor has ", num_layers, " layers");
     at::Tensor positions = at::empty({token_ids.size(0)}, at::kLong);
@@ -117,11 +150,15 @@ class NativeModel {
     for (const Rope& rope : ropes_) rotations.push_back(cos_sin(rope, positions, embed_.scalar_type()));
     at::Tensor h = embed_.index_select(0, token_ids);  // (T, H)
     if (embed_scale_) h.mul_(*embed_scale_);  // as decoder.py scales (Gemma), the factor already in the dtype's steps
+    const int64_t hidden = embed_.size(1);
     for (int64_t i = 0; i < num_layers; ++i) {
       follow_thread_count();
       const auto& [cos, sin] = rotations[layers_[i].rope];
+      for (size_t j = 0; capture && j < capture->layers.size(); ++j)
+        if (capture->layers[j] == i) capture->inputs.narrow(1, int64_t(j) * hidden, hidden).copy_(h);
       h = layer<T>(layers_[i], i, h, cos, sin, token_rows, segments, tables, kv, lora);
     }
+    if (capture && capture->final) capture->final_hidden = norm<T>(h, final_norm_);
     if (logit_rows.size(0) == 0) return at::empty({0, embed_.size(0)}, at::kFloat);
     follow_thread_count();
     at::Tensor last = norm<T>(h.index_select(0, logit_rows), final_norm_);
@@ -333,6 +370,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &pdserve::NativeModel::forward, py::arg("token_ids"), py::arg("segments"), py::arg("tables"),
            py::arg("logit_rows"), py::arg("kv"), py::arg("lora") = std::vector<pdserve::LoraGroup>(),
            py::call_guard<py::gil_scoped_release>())
+      .def("forward_hidden", &pdserve::NativeModel::forward_hidden, py::arg("token_ids"), py::arg("segments"),
+           py::arg("tables"), py::arg("logit_rows"), py::arg("kv"), py::arg("lora"), py::arg("layers"),
+           py::arg("final"), py::call_guard<py::gil_scoped_release>())
       .def("follow_threads", &pdserve::NativeModel::follow_threads)
       .def("linear", &pdserve::NativeModel::linear, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("residual"),
            py::arg("columns") = c10::optional<int64_t>(), py::call_guard<py::gil_scoped_release>());

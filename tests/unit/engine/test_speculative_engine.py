@@ -129,3 +129,34 @@ def test_drafts_stop_at_max_tokens_and_stop_tokens(checkpoints, references):
     stop = references["llama"][2][3]
     outputs, _ = _generate(engine, PROMPTS[2:3], "s", stop_token_ids=(stop,))
     assert outputs == [references["llama"][2][:references["llama"][2].index(stop) + 1]]
+
+
+PROCESSED = dict(logprobs=2, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
+                 logit_bias=((7, 3.0), (11, -2.0)), bad_words=((5, 6),), min_tokens=3)
+
+
+def _generate_with_logprobs(engine, prompts, **params):
+    for i, p in enumerate(prompts):
+        sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, **params)
+        engine.add_request(GenerationRequest(RequestId(f"p{i}"), tuple(p), sampling))
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list] = {}
+    while engine.has_work:
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.token_ids)
+            logprobs.setdefault(o.request_id, []).extend(o.logprobs)
+    return [(tokens[f"p{i}"], logprobs[f"p{i}"]) for i in range(len(prompts))]
+
+
+def test_logits_processors_and_logprobs_see_the_accepted_drafts(checkpoints):
+    """Penalties count the accepted drafts as output tokens, bad words and min_tokens see them, and
+    each token's logprobs are of its own row: the same tokens and logprobs as without drafts."""
+    plain = _generate_with_logprobs(_engine(checkpoints["llama"], kernels="torch"), PROMPTS, **PROCESSED)
+    truth = {tuple(p): out for p, (out, _) in zip(PROMPTS, plain)}
+    engine = _engine(checkpoints["llama"], ScriptedDrafts(truth, 300), kernels="torch")
+    speculated = _generate_with_logprobs(engine, PROMPTS, **PROCESSED)
+    assert [t for t, _ in speculated] == [t for t, _ in plain]
+    for (_, got), (_, want) in zip(speculated, plain):
+        assert [(lp.token_id, [t for t, _ in lp.top]) for lp in got] == [(lp.token_id, [t for t, _ in lp.top]) for lp in want]
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
+    assert engine.take_step_stats().spec.num_accepted_tokens > 0

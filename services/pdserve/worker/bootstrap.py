@@ -95,7 +95,7 @@ def _speculator(spec: EngineSpec, runner: ModelRunner, kv: KvCacheManager) -> Sp
     if spec.speculative is None or spec.role is WorkerRole.PREFILL:
         return None
     log.info("speculative decoding: %s", spec.speculative.to_json())
-    context = DrafterContext(runner, kv, spec.dtype, spec.kernels, spec.cache_dir)
+    context = DrafterContext(runner, kv, spec.dtype, spec.kernels, spec.cache_dir, spec.scheduler.max_model_len)
     return Speculator(spec.speculative, build_proposer(spec.speculative, context), kv, spec.scheduler.max_model_len)
 
 

@@ -40,6 +40,7 @@ class DrafterContext:
     dtype: str = "auto"
     kernels: str = "auto"
     cache_dir: str | None = None
+    max_model_len: int | None = None  # positions a drafter must read; None: the target's context length
 
 
 class NgramDrafts:

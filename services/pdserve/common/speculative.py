@@ -47,9 +47,10 @@ class SpeculativeConfig:
         return json.dumps(fields)
 
 
-def parse_speculative_config(raw: object) -> SpeculativeConfig:
+def parse_speculative_config(raw: object, target_model: str | None = None) -> SpeculativeConfig:
     """A JSON object (as text or already decoded) → SpeculativeConfig; ConfigError naming the
-    first field it cannot take."""
+    first field it cannot take. MTP layers live in the target's checkpoint: without a `model`,
+    an `mtp` config reads `target_model` (as vLLM's does)."""
     fields = _decode(raw)
     unknown = sorted(set(fields) - KNOWN_KEYS)
     if unknown:
@@ -73,6 +74,8 @@ def parse_speculative_config(raw: object) -> SpeculativeConfig:
     disable = _int(fields, "disable_by_batch_size", None)
     if disable is not None and disable < 1:
         raise ConfigError(f"{FIELD}.disable_by_batch_size", disable, "must be >= 1")
+    if method == "mtp" and not model:
+        model = target_model
     return SpeculativeConfig(method, num, model if method != "ngram" else None, low, high, disable)
 
 

@@ -85,7 +85,8 @@ def engine_spec(settings: WorkerSettings) -> EngineSpec:
         cache_dir=settings.cache_dir, disk_cache_dir=settings.disk_cache_dir, disk_cache_size=settings.disk_cache_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         lora=LoraSettings(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None,
-        speculative=None if settings.speculative_config is None else parse_speculative_config(settings.speculative_config),
+        speculative=None if settings.speculative_config is None else parse_speculative_config(
+            settings.speculative_config, settings.model),
     )
 
 

@@ -15,7 +15,9 @@ from pdserve.engine.loading.rope_config import read_rope
 LLAMA, QWEN2, MISTRAL = "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"
 QWEN3, GEMMA3, PHI3 = "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"
 QWEN3_MOE, MIXTRAL = "Qwen3MoeForCausalLM", "MixtralForCausalLM"
-SUPPORTED_ARCHITECTURES = (LLAMA, QWEN2, MISTRAL, QWEN3, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL)
+MIMO = "MiMoForCausalLM"  # Xiaomi MiMo: a Qwen2 body; its MTP layers draft (engine/spec/mtp.py)
+SUPPORTED_ARCHITECTURES = (LLAMA, QWEN2, MISTRAL, QWEN3, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL, MIMO)
+_QWEN2_BODIES = (QWEN2, MIMO)
 # Families whose window, when set, covers every layer; the Qwen families window only the layers
 # from `max_window_layers` on, Gemma 3 all but every `sliding_window_pattern`-th.
 _EVERY_LAYER_WINDOWED = (LLAMA, MISTRAL, PHI3, MIXTRAL)
@@ -38,8 +40,8 @@ class MoeConfig:
 def family_fields(arch: str, hf: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
     attention_bias = bool(hf.get("attention_bias", False))
     fields: dict[str, Any] = {
-        "qkv_bias": arch == QWEN2 or attention_bias,
-        "o_bias": arch != QWEN2 and attention_bias,
+        "qkv_bias": arch in _QWEN2_BODIES or attention_bias,
+        "o_bias": arch not in _QWEN2_BODIES and attention_bias,
         "activation": _activation(hf),
         **_windows(arch, hf),
     }

@@ -100,15 +100,15 @@ def make_eagle3_head(directory: Path, target: Path, seed: int = 2, draft_vocab: 
     return directory
 
 
-def make_mimo_checkpoint(directory: Path, seed: int = 0, num_layers: int = 2) -> torch.nn.Module:
+def make_mimo_checkpoint(directory: Path, seed: int = 0, **overrides) -> torch.nn.Module:
     """A MiMo-style checkpoint: a tiny Qwen2 saved by transformers, renamed `MiMoForCausalLM`, with
     one MTP layer's tensors beside its own. Returns the Qwen2 body (transformers' reference)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.1, tie_word_embeddings=False)
+    fields = dict(vocab_size=300, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False)
+    config = Qwen2Config(**fields | overrides)
     model = Qwen2ForCausalLM(config).eval()
     model.save_pretrained(directory)
     hf = json.loads((directory / "config.json").read_text())

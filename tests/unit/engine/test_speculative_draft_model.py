@@ -18,11 +18,14 @@ from pdserve.engine.core.llm_engine import LLMEngine
 from pdserve.engine.core.scheduler import SchedulerConfig
 from pdserve.engine.core.speculation import Speculator
 from pdserve.engine.model.batch import ForwardBatch, SeqChunk
+from pdserve.engine.loading.lora_files import read_lora_checkpoint
 from pdserve.engine.model.host_store import HostKvStore
+from pdserve.engine.model.lora import LoraSettings
 from pdserve.engine.model.runner import ModelRunner
 from pdserve.engine.spec.proposers import DrafterContext, build_proposer
 from pdserve.kvcache import CacheRequest, KvCacheConfig, KvCacheManager
 from tests.draft_builders import make_draft_checkpoint, make_noisy_copy
+from tests.lora_builders import make_adapter
 from token_store_runner import CharTokenizer
 
 MAX_NEW = 16
@@ -41,8 +44,8 @@ def drafts(checkpoints, tmp_path_factory):
             "small": make_draft_checkpoint(root / "small", llama.path)}
 
 
-def _engine(target, draft=None, k=4, num_blocks=64, budget=512, kernels="auto", host_blocks=0):
-    runner = load_runner(target, num_blocks=num_blocks, kernels=kernels)
+def _engine(target, draft=None, k=4, num_blocks=64, budget=512, kernels="auto", host_blocks=0, lora=None):
+    runner = load_runner(target, num_blocks=num_blocks, kernels=kernels, lora=lora)
     kv = KvCacheManager(KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK), num_blocks, num_host_blocks=host_blocks)
     store = HostKvStore(runner.kv_tensor, host_blocks) if host_blocks else None
     speculator = None
@@ -54,10 +57,10 @@ def _engine(target, draft=None, k=4, num_blocks=64, budget=512, kernels="auto", 
                      speculator=speculator)
 
 
-def _generate(engine, prompts, tag="a", max_new=MAX_NEW, after_step=None, n=1):
+def _generate(engine, prompts, tag="a", max_new=MAX_NEW, after_step=None, n=1, lora_id=None):
     for i, p in enumerate(prompts):
         sampling = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True, n=n)
-        engine.add_request(GenerationRequest(RequestId(f"{tag}{i}"), tuple(p), sampling))
+        engine.add_request(GenerationRequest(RequestId(f"{tag}{i}"), tuple(p), sampling, lora_id=lora_id))
     out: dict[tuple[str, int], list[int]] = {}
     steps = 0
     while engine.has_work:
@@ -155,6 +158,22 @@ def test_forked_completions_and_short_budgets_keep_their_output(checkpoints, dra
     assert outputs == [r for r in references["llama"] for _ in range(2)]
     outputs, _ = _generate(engine, PROMPTS, "s", max_new=3, after_step=check)
     assert outputs == [r[:3] for r in references["llama"]]
+
+
+def test_a_sequence_under_a_lora_adapter_is_drafted_without_it(checkpoints, drafts, references, tmp_path):
+    """The draft (the base model) drafts for an adapter's requests; the target, adapter
+    included, verifies: the output is the adapter's without drafts."""
+    make_adapter(checkpoints["llama"].hf_model, tmp_path / "adapter", seed=1)
+    adapter = read_lora_checkpoint(tmp_path / "adapter")
+    outputs = []
+    for draft in (None, drafts["self"]):
+        engine = _engine(checkpoints["llama"], draft, kernels="torch", lora=LoraSettings(max_loras=1, max_lora_rank=8))
+        engine.add_lora(adapter)
+        check = DraftKvCheck(drafts["self"], "torch") if draft else None
+        outputs.append(_generate(engine, PROMPTS, lora_id=adapter.lora_id, after_step=check)[0])
+    assert outputs[1] == outputs[0]
+    assert _acceptance(engine) > 0
+    assert sum(a != b for a, b in zip(outputs[0], references["llama"])) >= len(PROMPTS) - 1  # the adapter matters
 
 
 def test_the_proposer_forgets_finished_sequences(checkpoints, drafts):

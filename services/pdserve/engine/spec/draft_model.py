@@ -35,7 +35,11 @@ on the tokens up to it, so the draft writes into a shared block exactly what any
 draft writes there, and it writes past the target's computed tokens only into blocks the
 sequence holds alone (a block is shared once full and computed). The cost is one draft pass
 over each prompt, even one the target found cached or received from a peer (on a decode worker,
-every prompt), in the step that first drafts for it.
+every prompt), in the step that first drafts for it. Measured on tiny random models (a 2-layer
+target, a 1-layer draft, a 49,152-token vocabulary; native kernels, one thread; k=4): that step
+took 16 ms after a 512-token prompt and 47 ms after 2,048 tokens, against 10 and 14 ms for the
+steps after it: the draft's prompt pass, about half the target's own prefill of that prompt
+(66 ms at 2,048), here where the draft has half the target's layers.
 
 A sequence under a LoRA adapter is drafted without it: drafts only need to be likely, and the
 target, adapter included, verifies them.

@@ -1,9 +1,10 @@
 """Draft-model speculation (`engine/spec/draft_model.py`): greedy output equals the output
 without drafts on every forward path, through chunked prefill, preemption, prefix-cache hits,
-the host tier and forks; the target drafting for itself has nearly every draft accepted; the
-draft K/V the proposer counts as written is, after every step, exactly what the draft model
-computes for those tokens from scratch; a draft of another vocabulary or a shorter context is
-refused."""
+the host tier, forks, a LoRA adapter (drafted without it) and a cache too small for every
+draft; seeded sampling keeps its tokens; the target drafting for itself has nearly every draft
+accepted; the draft K/V the proposer counts as written is, after every step, what the draft
+model computes for those tokens from scratch (also for a sequence back in other blocks); a
+draft of another vocabulary, of a shorter context or missing is refused by name."""
 from dataclasses import dataclass
 
 import pytest
@@ -57,9 +58,9 @@ def _engine(target, draft=None, k=4, num_blocks=64, budget=512, kernels="auto", 
                      speculator=speculator)
 
 
-def _generate(engine, prompts, tag="a", max_new=MAX_NEW, after_step=None, n=1, lora_id=None):
+def _generate(engine, prompts, tag="a", max_new=MAX_NEW, after_step=None, n=1, lora_id=None, **params):
     for i, p in enumerate(prompts):
-        sampling = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True, n=n)
+        sampling = SamplingParams(max_tokens=max_new, ignore_eos=True, n=n, **({"temperature": 0.0} | params))
         engine.add_request(GenerationRequest(RequestId(f"{tag}{i}"), tuple(p), sampling, lora_id=lora_id))
     out: dict[tuple[str, int], list[int]] = {}
     steps = 0
@@ -174,6 +175,12 @@ def test_a_sequence_under_a_lora_adapter_is_drafted_without_it(checkpoints, draf
     assert outputs[1] == outputs[0]
     assert _acceptance(engine) > 0
     assert sum(a != b for a, b in zip(outputs[0], references["llama"])) >= len(PROMPTS) - 1  # the adapter matters
+
+
+def test_seeded_sampling_gives_the_tokens_it_gives_without_drafts(checkpoints, drafts):
+    sampled = [_generate(_engine(checkpoints["llama"], draft), PROMPTS, temperature=1.0, seed=7)[0]
+               for draft in (None, drafts["self"])]
+    assert sampled[1] == sampled[0]
 
 
 def test_the_proposer_forgets_finished_sequences(checkpoints, drafts):

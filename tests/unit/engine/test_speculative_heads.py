@@ -113,20 +113,37 @@ def test_greedy_output_unchanged_and_drafts_follow_the_head(heads, references, k
     assert set(engine.speculator.proposer.inner._tracks) <= {"z0"}  # finished sequences are let go at the next step
 
 
-def test_a_sequence_first_seen_past_position_0_drafts_from_what_it_saw(heads):
-    """The second request finds the first's prompt cached: the head starts at its first
-    computed position and attends from there (a decode worker's prompt is the same case)."""
+def _second_after_first(heads, first_prompt, second_prompt):
+    """The drafts of a second request after a first one cached its prompt's blocks, with the
+    first position the head read from for it."""
     target, hf_model, head_dir = heads["eagle"]
     engine = _engine(target, "eagle", head_dir, "torch", budget=64)
-    shared = prompt(13, 9)
-    _generate(engine, [shared], tag="first", max_new=2)
+    _generate(engine, [first_prompt], tag="first", max_new=2)
     engine.speculator.proposer.calls.clear()
-    _generate(engine, [shared + prompt(3, 10)], tag="second", max_new=6)
-    reference = ReferenceHead("eagle", head_dir, hf_model)
-    cached = (len(shared) // TOKENS_PER_BLOCK) * TOKENS_PER_BLOCK
+    _generate(engine, [second_prompt], tag="second", max_new=6)
     calls = engine.speculator.proposer.calls
     assert calls and all(c[3] for c in calls)
-    assert engine.speculator.proposer.inner._tracks["second0"].first == cached
+    return calls, engine.speculator.proposer.inner._tracks["second0"].first, ReferenceHead("eagle", head_dir, hf_model)
+
+
+def test_a_cached_prefix_the_head_wrote_is_read_again(heads):
+    """The second request finds the first's prompt blocks cached, the head's K/V in them written
+    for the same tokens through the next block's first: it reads them as if it had watched."""
+    shared = prompt(13, 9)
+    calls, first, reference = _second_after_first(heads, shared, shared + prompt(3, 10))
+    assert first == 0
+    for token_ids, computed, budget, drafts in calls:
+        assert drafts == reference.drafts(list(token_ids), computed, budget)
+
+
+def test_a_sequence_first_seen_past_position_0_drafts_from_what_it_saw(heads):
+    """Here the token after the cached blocks differs: the last block's head K/V was written for
+    another successor, so the head starts at the first computed position and attends from there
+    (a decode worker's prompt is the same case: no head K/V at all)."""
+    shared = prompt(12, 9)
+    calls, first, reference = _second_after_first(heads, shared + [5], shared + [6] + prompt(3, 10))
+    cached = len(shared)
+    assert first == cached
     whole_context = 0
     for token_ids, computed, budget, drafts in calls:
         assert drafts == reference.drafts(list(token_ids), computed, budget, first=cached)
@@ -190,3 +207,17 @@ def test_the_worker_budgets_one_layer_of_head_kv_per_block(heads):
     assert drafter_bytes_per_block(eagle_spec, TOKENS_PER_BLOCK, torch.float32) == 2 * 4 * 2 * 32 * 4
     assert drafter_bytes_per_block(mtp_spec, TOKENS_PER_BLOCK, torch.bfloat16) == 2 * 4 * 2 * 32 * 2
     assert drafter_bytes_per_block(mtp_spec, TOKENS_PER_BLOCK, torch.float8_e4m3fn) == 2 * 4 * 2 * 32 * 2
+
+
+def test_block_records_key_the_tokens_through_the_next_blocks_first():
+    from pdserve.engine.spec.head_blocks import BlockDigests, HeadBlocks
+    blocks = HeadBlocks(tokens_per_block=2)
+    tokens = [5, 6, 7, 8, 9]
+    blocks.record(BlockDigests(None, tokens), [10, 11], 0, 2)
+    assert blocks.holds(BlockDigests(None, tokens), [10, 11], 2)
+    assert blocks.holds(BlockDigests(None, tokens[:4] + [1]), [10, 11], 1)  # block 0 reads tokens 0..2
+    assert not blocks.holds(BlockDigests(None, tokens[:4] + [1]), [10, 11], 2)  # another successor
+    assert not blocks.holds(BlockDigests(3, tokens), [10, 11], 1)  # another adapter
+    assert not blocks.holds(BlockDigests(None, tokens), [10, 12], 2)  # another block
+    blocks.forget([11])
+    assert not blocks.holds(BlockDigests(None, tokens), [10, 11], 2)

@@ -22,7 +22,9 @@ A sequence the head did not watch from position 0 (a prefix the target found cac
 peer prefilled on a decode worker, a recomputation after preemption) starts at the first
 position it sees, its attention reading only what the head wrote for it from there
 (`Span.first_key`): drafts come at once, from less context (see `eagle.py` for the measure).
-Drafts never change the output, only how many tokens a step gains.
+Where the blocks before that position hold head K/V written whole for the same tokens
+(`head_blocks.py`: a prefix cached on this worker, a system prompt, an earlier turn), it reads
+them too. Drafts never change the output, only how many tokens a step gains.
 """
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from pdserve.common.errors import OutOfBlocksError
 from pdserve.common.ids import RequestId
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.model.batch import ForwardBatch, ForwardOutput, HiddenCapture, HiddenStates
+from pdserve.engine.spec.head_blocks import BlockDigests, HeadBlocks
 from pdserve.engine.spec.head_layer import HeadKv, HeadLayer, Span
 
 
@@ -69,6 +72,8 @@ class Track:
     done: int
     rows: torch.Tensor  # (n, H)
     tokens: list[int]  # (n,): the target's input token at each of those positions
+    digests: BlockDigests | None = None  # its tokens from 0 (None until known: first > 0, before a `propose`)
+    recorded: int = 0  # blocks before this one are recorded in `HeadBlocks` (or could not be)
 
     @property
     def end(self) -> int:
@@ -109,6 +114,7 @@ class HeadDrafts:
         self.kv = kv  # the target's KvCacheManager: block tables and slot reservations
         self.head_kv = HeadKv(target.num_blocks, target.tokens_per_block, head.config, target.kv_tensor.dtype,
                               target.device)
+        self.blocks = HeadBlocks(target.tokens_per_block)
         self._tracks: dict[RequestId, Track] = {}
         target.capture_hidden(head.capture)
 
@@ -119,7 +125,7 @@ class HeadDrafts:
         for chunk in batch.chunks:
             num = len(chunk.token_ids)
             track = self._kept(self._tracks.get(chunk.request_id), chunk.start_pos, rows[first:first + num],
-                               chunk.token_ids)
+                               chunk.token_ids, chunk.lora_id)
             self._tracks[chunk.request_id] = track
             first += num
             # a chunk carrying drafts holds one token of the sequence's own: the rest may be rejected
@@ -143,6 +149,7 @@ class HeadDrafts:
                     or not self._reserve(seq.seq_id, budget)):
                 continue
             table = tuple(self.kv.block_ids(seq.seq_id))
+            self._adopt_cached(seq, track, table)
             feeds.append(self._feed(seq.seq_id, track, list(seq.token_ids[track.done + 1:computed + 1]), table))
             chains.append(Chain(seq.seq_id, budget, computed, track.first, table))
         if feeds:
@@ -151,14 +158,36 @@ class HeadDrafts:
         by_seq = {c.seq_id: c.drafts for c in chains}
         return [by_seq.get(seq.seq_id, []) for seq in seqs]
 
+    def _adopt_cached(self, seq, track: Track, table: tuple[int, ...]) -> None:
+        """At the first `propose` of a sequence first seen past position 0 (its tokens before
+        known now): read from position 0 where every block before its first watched position
+        holds head K/V written for its tokens; record the blocks it wrote whole since."""
+        if track.digests is not None:
+            return
+        tpb = self.blocks.tokens_per_block
+        track.digests = BlockDigests(seq.request.lora_id, list(seq.token_ids[:track.done + 1]))
+        track.recorded = -(-track.first // tpb)
+        if track.first % tpb == 0 and self.blocks.holds(track.digests, table, track.first // tpb):
+            track.first = 0
+        self._record(track, table)
+
+    def _record(self, track: Track, table: tuple[int, ...]) -> None:
+        """Record the blocks the head has now written whole for this sequence (the token after
+        each block certain)."""
+        end = track.done // self.blocks.tokens_per_block
+        if track.digests is not None and end > track.recorded:
+            self.blocks.record(track.digests, table, track.recorded, end)
+            track.recorded = end
+
     @staticmethod
-    def _kept(track: Track | None, start: int, rows: torch.Tensor, tokens: Seq[int]) -> Track:
+    def _kept(track: Track | None, start: int, rows: torch.Tensor, tokens: Seq[int], lora_id: int | None) -> Track:
         """The track after a target chunk at `start`: rows past it (rejected drafts) replaced; a
         sequence seen first, recomputed or out of step starts again here."""
         if track is None or not track.done <= start <= track.end:
-            return Track(start, start, rows, list(tokens))
+            return Track(start, start, rows, list(tokens), BlockDigests(lora_id, [tokens[0]]) if start == 0 else None)
         kept = start - track.done
-        return Track(track.first, track.done, torch.cat((track.rows[:kept], rows)), track.tokens[:kept] + list(tokens))
+        return Track(track.first, track.done, torch.cat((track.rows[:kept], rows)), track.tokens[:kept] + list(tokens),
+                     track.digests, track.recorded)
 
     def _feed(self, seq_id: RequestId, track: Track, tokens: list[int], table: tuple[int, ...]) -> Feed:
         return Feed(seq_id, track.done, tokens, track.rows[:len(tokens)], track.first, table)
@@ -183,6 +212,9 @@ class HeadDrafts:
             track, num = self._tracks[feed.seq_id], len(feed.token_ids)
             track.done += num
             track.rows, track.tokens = track.rows[num:], track.tokens[num:]
+            if track.digests is not None:
+                track.digests.tokens += feed.token_ids
+                self._record(track, feed.block_table)
         return out
 
     def _first_drafts(self, feeds: list[Feed], chains: list[Chain]) -> None:
@@ -206,6 +238,8 @@ class HeadDrafts:
                 chain.next_pos += 1
 
     def _step(self, token_ids: list[int], hidden: torch.Tensor, positions: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        tpb = self.blocks.tokens_per_block
+        self.blocks.forget({s.block_table[p // tpb] for s in spans for p in range(s.start_pos, s.start_pos + s.num_rows)})
         embeds = self.head.embed_tokens(torch.tensor(token_ids, device=self.target.device))  # (T, H)
         positions = positions.to(self.target.device)
         x, residual = self.head.inputs(embeds, hidden, positions)

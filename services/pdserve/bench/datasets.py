@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.bench.copy_text import CopyPrompts
 from pdserve.bench.prompts import RandomText, TextTokenizer
 from pdserve.bench.sharegpt import load_sharegpt
 from pdserve.common.errors import ConfigError
 
-DATASET_NAMES = ("random", "shared-prefix", "multi-turn", "sharegpt")
+DATASET_NAMES = ("random", "shared-prefix", "multi-turn", "sharegpt", "copy")
 DATASET_ALIASES = {"prefix_repetition": "shared-prefix"}  # vLLM's name for the same workload
 WARMUP_STREAM = 2  # warm-up text is drawn from its own stream of the run's seed
 
@@ -54,6 +55,8 @@ class DatasetSpec:
     turn_input_len: int = 128
     turn_output_len: int = 64
     sharegpt_output_len: int | None = None
+    copy_input_len: int = 512
+    copy_output_len: int = 128
 
 
 def check_spec(spec: DatasetSpec) -> None:
@@ -79,12 +82,14 @@ def _check_lengths(spec: DatasetSpec) -> None:
         "--random-input-len": spec.random_input_len, "--random-output-len": spec.random_output_len,
         "--random-prefix-len": spec.random_prefix_len, "--prefix-repetition-prefix-len": spec.prefix_len,
         "--prefix-repetition-suffix-len": spec.suffix_len, "--multi-turn-input-len": spec.turn_input_len,
+        "--copy-input-len": spec.copy_input_len,
     }
     for flag, value in lengths.items():
         if value < 0:
             raise ConfigError(flag, value, "must be >= 0")
     outputs = {"--random-output-len": spec.random_output_len, "--prefix-repetition-output-len":
-               spec.prefix_output_len, "--multi-turn-output-len": spec.turn_output_len}
+               spec.prefix_output_len, "--multi-turn-output-len": spec.turn_output_len,
+               "--copy-output-len": spec.copy_output_len}
     for flag, value in outputs.items():
         if value < 1:
             raise ConfigError(flag, value, "must be at least 1")
@@ -138,7 +143,15 @@ def _sharegpt(spec: DatasetSpec, texts: RandomText) -> list[Conversation]:
     return [Conversation((Turn(prompt, prompt_len, output_len),)) for prompt, prompt_len, output_len in pairs]
 
 
-_BUILDERS = {"random": _random, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn, "sharegpt": _sharegpt}
+def _copy(spec: DatasetSpec, texts: RandomText) -> list[Conversation]:
+    """A passage of prose each, to be repeated: outputs that repeat spans of their prompts."""
+    prompts = CopyPrompts(texts)
+    return [Conversation((Turn(prompts.prompt(spec.copy_input_len), spec.copy_input_len, spec.copy_output_len),))
+            for _ in range(spec.num_prompts)]
+
+
+_BUILDERS = {"random": _random, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn, "sharegpt": _sharegpt,
+             "copy": _copy}
 
 
 def build_dataset(spec: DatasetSpec, tokenizer: TextTokenizer, seed: int) -> list[Conversation]:

@@ -87,6 +87,9 @@ def _add_dataset_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--multi-turn-input-len", type=int, default=128, help="tokens per user message")
     group.add_argument("--multi-turn-output-len", type=int, default=64)
     group.add_argument("--sharegpt-output-len", type=int, help="fixed output length")
+    group.add_argument("--copy-input-len", type=int, default=512, help="prompt tokens: an instruction to repeat "
+                       "a passage of prose, and the passage")
+    group.add_argument("--copy-output-len", type=int, default=128)
 
 
 def _add_load_flags(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +159,8 @@ def _dataset(args: argparse.Namespace) -> DatasetSpec:
         prefix_len=args.prefix_repetition_prefix_len, suffix_len=args.prefix_repetition_suffix_len,
         prefix_output_len=args.prefix_repetition_output_len, num_turns=args.multi_turn_num_turns,
         turn_input_len=args.multi_turn_input_len, turn_output_len=args.multi_turn_output_len,
-        sharegpt_output_len=args.sharegpt_output_len,
+        sharegpt_output_len=args.sharegpt_output_len, copy_input_len=args.copy_input_len,
+        copy_output_len=args.copy_output_len,
     )
 
 

@@ -221,3 +221,14 @@ def test_block_records_key_the_tokens_through_the_next_blocks_first():
     assert not blocks.holds(BlockDigests(None, tokens), [10, 12], 2)  # another block
     blocks.forget([11])
     assert not blocks.holds(BlockDigests(None, tokens), [10, 11], 2)
+
+
+def test_a_mimo_checkpoints_body_is_served_as_qwen2(heads, kernels):
+    """MiMoForCausalLM: its body's logits are transformers' Qwen2's; its MTP tensors sit beside."""
+    from model_builders import chunk, run
+    target, hf_model, _ = heads["mtp"]
+    ids = prompt(11, 12)
+    [logits] = run(load_runner(_Path(target), kernels=kernels), chunk("m", ids, 0, [0, 1, 2], all_logits=True))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)

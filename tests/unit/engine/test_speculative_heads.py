@@ -232,3 +232,12 @@ def test_a_mimo_checkpoints_body_is_served_as_qwen2(heads, kernels):
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_greedy_output_unchanged_through_preemption(heads, references, method):
+    """Too few blocks for every sequence: preempted ones recompute (the head starts them again),
+    and drafts that find no free slots are not made."""
+    target, _, head_dir = heads[method]
+    engine = _engine(target, method, head_dir, "torch", num_blocks=12)
+    assert _generate(engine, PROMPTS) == references[method]

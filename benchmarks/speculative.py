@@ -1,6 +1,6 @@
 """Speculative decoding against none, served as users run it: `pdserve serve --aggregated` without
 speculation, then with `--speculative-config` (n-gram prompt lookup by default), one after the
-other in one run, each driven by `pdserve bench` (greedy, ignore_eos) on two workloads at each
+other in one run, each driven by `pdserve bench` (greedy, ignore_eos, `/v1/completions`) on two workloads at each
 `--concurrency`: `copy` (an instruction to repeat a passage of prose: the output repeats spans of
 the prompt, where prompt lookup drafts well) and `random` (random tokens: little to draft from).
 
@@ -55,8 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--input-len", type=int, default=256, help="prompt tokens (instruction and passage on copy)")
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--endpoint", default="/v1/chat/completions",
-                        help="the model copies the passage more faithfully through its chat template")
+    parser.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
     parser.add_argument("--num-warmups", type=int, default=2, help="unmeasured requests per server, first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve-flags", default="", help="more `pdserve serve` flags, for both servers")

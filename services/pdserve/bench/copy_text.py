@@ -10,6 +10,7 @@ from pdserve.common.errors import ConfigError
 
 TOKENS_PER_SENTENCE = 8  # fewer than any sentence has, so one paragraph usually suffices
 FIT_MARGIN_TOKENS = 16
+LEAD_WORDS = 3  # of the passage, begun as the answer
 
 NAMES = ("Anna", "Ben", "Clara", "David", "Elena", "Frank", "Grace", "Henry", "Iris", "James", "Laura",
          "Martin", "Nora", "Oscar", "Paula", "Robert", "Sarah", "Thomas", "Vera", "William")
@@ -28,17 +29,23 @@ PREPOSITIONS = ("near", "behind", "beside", "inside", "outside", "in front of", 
 TIMES = ("In the morning", "After lunch", "Every summer", "On Monday", "Later that day", "Before dawn",
          "In the evening", "Last winter", "At noon", "During the storm", "On Sunday", "A week later")
 ADVERBS = ("slowly", "quickly", "carefully", "quietly", "happily", "again", "together", "at once", "with care")
-FEELINGS = ("happy", "tired", "surprised", "calm", "hungry", "proud", "worried", "cheerful")
+ERRANDS = ("stayed at home", "made a pot of tea", "wrote a long letter", "called an old friend", "went to bed early",
+           "baked some bread", "listened to the radio", "cleaned the whole house", "read a good book")
+SAYINGS = ("was too expensive", "belonged to the museum", "had been lost for years", "needed a new coat of paint",
+           "was a gift from the mayor", "would not fit in the car", "came from a distant country")
 
 
 class Prose:
     """Sentences drawn from `rng`; the same generator state gives the same sentences.
 
-    People act on things in places, so the text reads as a plain (if dull) story: a small
-    model copies such text far more faithfully than word salad."""
+    People act on things in places, in sentences of several shapes, so the text reads as a plain
+    story: a small model copies such text far more faithfully than word salad, and loses its
+    place less often than in text of one repeated shape."""
 
     def __init__(self, rng: np.random.Generator) -> None:
         self.rng = rng
+        self._shapes = (self._moved, self._handled, self._errand, self._gift, self._weather, self._return,
+                        self._saying)
 
     def _pick(self, words: tuple[str, ...]) -> str:
         return words[int(self.rng.integers(len(words)))]
@@ -49,21 +56,30 @@ class Prose:
     def _thing(self) -> str:
         return f"the {self._pick(THING_ADJECTIVES)} {self._pick(THINGS)}"
 
+    def _moved(self) -> str:
+        return f"{self._someone()} {self._pick(VERBS)} {self._thing()} {self._pick(PREPOSITIONS)} the {self._pick(PLACES)}"
+
+    def _handled(self) -> str:
+        return f"{self._someone()} {self._pick(VERBS)} {self._thing()} {self._pick(ADVERBS)}"
+
+    def _errand(self) -> str:
+        return f"{self._pick(TIMES)}, {self._someone()} walked to the {self._pick(PLACES)} and {self._pick(VERBS)} " \
+               f"{self._thing()}"
+
+    def _gift(self) -> str:
+        return f"{self._someone()} gave {self._thing()} to {self._someone()}"
+
+    def _weather(self) -> str:
+        return f"the {self._pick(PLACES)} was {self._pick(PLACE_ADJECTIVES)}, so {self._someone()} {self._pick(ERRANDS)}"
+
+    def _return(self) -> str:
+        return f"when {self._someone()} came back from the {self._pick(PLACES)}, the {self._pick(THINGS)} was gone"
+
+    def _saying(self) -> str:
+        return f"{self._someone()} told {self._someone()} that {self._thing()} {self._pick(SAYINGS)}"
+
     def sentence(self) -> str:
-        kind = int(self.rng.integers(5))
-        if kind == 0:
-            text = f"{self._someone()} {self._pick(VERBS)} {self._thing()} {self._pick(PREPOSITIONS)} " \
-                   f"the {self._pick(PLACES)}"
-        elif kind == 1:
-            text = f"{self._someone()} {self._pick(VERBS)} {self._thing()} {self._pick(ADVERBS)}"
-        elif kind == 2:
-            text = f"{self._pick(TIMES)}, {self._someone()} walked to the {self._pick(PLACES)} and " \
-                   f"{self._pick(VERBS)} {self._thing()}"
-        elif kind == 3:
-            text = f"the {self._pick(PLACES)} was {self._pick(PLACE_ADJECTIVES)}, and {self._someone()} " \
-                   f"felt {self._pick(FEELINGS)}"
-        else:
-            text = f"{self._someone()} gave {self._thing()} to {self._someone()}"
+        text = self._shapes[int(self.rng.integers(len(self._shapes)))]()
         return text[0].upper() + text[1:] + "."
 
     def paragraph(self, num_sentences: int) -> str:
@@ -71,11 +87,14 @@ class Prose:
 
 
 class CopyPrompts:
-    """Prompts asking the model to repeat a passage of prose: `HEAD + passage + TAIL`.
+    """Prompts asking the model to repeat a passage of prose: `HEAD + passage + TAIL + lead`,
+    where `lead` is the passage's first words, begun as the answer.
 
-    The passage is cut at a token boundary so the whole prompt encodes to exactly the
-    requested count; what the model is asked to write is the passage itself, which is what
-    prompt-lookup (n-gram) speculation drafts from.
+    Without the lead, SmolLM2-135M-Instruct as a plain completion (`/v1/completions`) mostly
+    starts a story of its own; with it, it goes on copying there as through its chat template.
+    The passage is cut at a token boundary so the whole prompt encodes to exactly the requested
+    count; what the model is asked to write is the passage itself, which is what prompt-lookup
+    (n-gram) speculation drafts from.
     """
 
     HEAD = "Repeat the following text exactly, word for word.\n\nText:\n"
@@ -84,18 +103,20 @@ class CopyPrompts:
     def __init__(self, texts: RandomText) -> None:
         self.texts = texts
         self.prose = Prose(texts.rng)
-        self.num_overhead_tokens = texts.num_tokens(self.HEAD) + texts.num_tokens(self.TAIL)
+        self.num_instruction_tokens = texts.num_tokens(self.HEAD) + texts.num_tokens(self.TAIL)
 
     def prompt(self, num_tokens: int) -> str:
         """Raises ConfigError when `num_tokens` leaves no room for a passage."""
-        budget = num_tokens - self.num_overhead_tokens
-        if budget < 1:
+        opening = self.prose.sentence()
+        lead = " ".join(opening.split()[:LEAD_WORDS])
+        num_fixed = self.num_instruction_tokens + self.texts.num_tokens(lead)
+        if num_tokens <= num_fixed:
             raise ConfigError("--copy-input-len", num_tokens,
-                              f"must exceed the instruction's {self.num_overhead_tokens} tokens")
-        ids = self._passage_ids(budget)
-        cut = budget
+                              f"must exceed the {num_fixed} tokens of the instruction and the answer's first words")
+        ids = self._passage_ids(opening, num_tokens - num_fixed)
+        cut = num_tokens - num_fixed
         for _ in range(MAX_FIT_ROUNDS):
-            text = self.HEAD + self.texts.tokenizer.decode(ids[:cut]) + self.TAIL
+            text = self.HEAD + self.texts.tokenizer.decode(ids[:cut]) + self.TAIL + lead
             excess = self.texts.num_tokens(text) - num_tokens
             if excess == 0:
                 return text
@@ -104,10 +125,11 @@ class CopyPrompts:
                 break
         raise ConfigError("--copy-input-len", num_tokens, "could not build a prompt of exactly this many tokens")
 
-    def _passage_ids(self, num_tokens: int) -> list[int]:
-        """Token ids of whole sentences, a margin past `num_tokens` for the fit to grow into."""
-        ids: list[int] = []
-        sentences: list[str] = []
+    def _passage_ids(self, opening: str, num_tokens: int) -> list[int]:
+        """Token ids of whole sentences from `opening` on, a margin past `num_tokens` for the fit
+        to grow into."""
+        sentences = [opening]
+        ids = self.texts.tokenizer.encode(opening, add_special_tokens=False)
         while len(ids) < num_tokens + FIT_MARGIN_TOKENS:
             sentences.append(self.prose.paragraph(num_tokens // TOKENS_PER_SENTENCE + 1))
             ids = self.texts.tokenizer.encode(" ".join(sentences), add_special_tokens=False)

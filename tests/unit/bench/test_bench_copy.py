@@ -10,8 +10,8 @@ from pdserve.bench.options import parse_config
 from pdserve.common.errors import ConfigError
 
 WORD_LISTS = ("NAMES", "PEOPLE", "THINGS", "THING_ADJECTIVES", "PLACES", "PLACE_ADJECTIVES", "VERBS", "PREPOSITIONS",
-              "TIMES", "ADVERBS", "FEELINGS")
-GLUE = {"the", "was", "and", "to", "walked", "gave", "felt"}
+              "TIMES", "ADVERBS", "ERRANDS", "SAYINGS")
+GLUE = {"the", "was", "and", "to", "walked", "gave", "so", "when", "came", "back", "from", "gone", "told", "that"}
 
 
 def num_tokens(tokenizer, text):
@@ -23,8 +23,11 @@ def copy_spec(**fields):
 
 
 def passage_of(text):
-    assert text.startswith(CopyPrompts.HEAD) and text.endswith(CopyPrompts.TAIL)
-    return text[len(CopyPrompts.HEAD):-len(CopyPrompts.TAIL)]
+    """The passage between the instruction's parts, after checking the prompt ends with its first words."""
+    assert text.startswith(CopyPrompts.HEAD)
+    passage, lead = text[len(CopyPrompts.HEAD):].split(CopyPrompts.TAIL)
+    assert lead == " ".join(passage.split()[:3])
+    return passage
 
 
 def vocabulary():
@@ -32,7 +35,7 @@ def vocabulary():
     return words | GLUE
 
 
-@pytest.mark.parametrize("input_len", [23, 24, 100, 200, 1500])
+@pytest.mark.parametrize("input_len", [30, 31, 100, 200, 1500])
 def test_prompts_encode_to_exactly_the_input_len(tokenizer, input_len):
     conversations = build_dataset(copy_spec(copy_input_len=input_len), tokenizer, seed=input_len)
     turns = [c.turns[0] for c in conversations]
@@ -42,11 +45,12 @@ def test_prompts_encode_to_exactly_the_input_len(tokenizer, input_len):
 
 
 def test_the_passage_is_prose_filling_all_but_the_instruction(tokenizer):
-    overhead = num_tokens(tokenizer, CopyPrompts.HEAD) + num_tokens(tokenizer, CopyPrompts.TAIL)
+    instruction = num_tokens(tokenizer, CopyPrompts.HEAD) + num_tokens(tokenizer, CopyPrompts.TAIL)
     known = vocabulary()
     for conversation in build_dataset(copy_spec(copy_input_len=300), tokenizer, seed=0):
         passage = passage_of(conversation.turns[0].text)
-        assert num_tokens(tokenizer, passage) == 300 - overhead
+        lead = " ".join(passage.split()[:3])
+        assert num_tokens(tokenizer, passage) == 300 - instruction - num_tokens(tokenizer, lead)
         words = re.findall(r"[A-Za-z]+", passage)[:-1]  # the last may be cut inside a word
         assert len(words) > 150 and [w for w in words if w.lower() not in known] == []
         assert len(set(words)) > 50
@@ -63,7 +67,7 @@ def test_same_seed_same_prompts_other_seed_differs(tokenizer):
 
 
 @pytest.mark.parametrize("spec, field", [
-    (copy_spec(copy_input_len=22), "--copy-input-len"),  # the instruction alone
+    (copy_spec(copy_input_len=24), "--copy-input-len"),  # the instruction, and fewer tokens than 3 words
     (copy_spec(copy_input_len=-1), "--copy-input-len"),
     (copy_spec(copy_output_len=0), "--copy-output-len"),
 ])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model_builders import TINY, TOKENS_PER_BLOCK, load_runner, prompt
+from native_levels import LEVELS_HERE
 from pdserve.common.errors import ConfigError
 from pdserve.common.ids import RequestId
 from pdserve.common.request import GenerationRequest, SamplingParams
@@ -60,8 +61,8 @@ def heads(tmp_path_factory, checkpoints):
     }
 
 
-def _engine(target_path, method, head_dir, kernels, budget=8, num_blocks=64, k=K):
-    runner = load_runner(_Path(target_path), num_blocks=num_blocks, kernels=kernels)
+def _engine(target_path, method, head_dir, kernels, budget=8, num_blocks=64, k=K, dtype="float32"):
+    runner = load_runner(_Path(target_path), num_blocks=num_blocks, kernels=kernels, dtype=dtype)
     kv = KvCacheManager(KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK), num_blocks)
     config = SchedulerConfig(8, budget, 128)
     speculator = None
@@ -241,3 +242,18 @@ def test_greedy_output_unchanged_through_preemption(heads, references, method):
     target, _, head_dir = heads[method]
     engine = _engine(target, method, head_dir, "torch", num_blocks=12)
     assert _generate(engine, PROMPTS) == references[method]
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_greedy_output_unchanged_in_bfloat16(heads, level, method):
+    """The heads' matrices in bf16, multiplied as the target's are (the AVX2 kernels' panels).
+    Native kernels only: there a row's bits do not depend on the chunk it is computed in; torch
+    ops in bf16 compute a verified chunk's rows with other roundings than single decode steps,
+    which can flip a near-tie whatever drafts them."""
+    target, _, head_dir = heads[method]
+    kernels = level
+    plain = _generate(_engine(target, None, None, kernels, dtype="bfloat16"), PROMPTS)
+    engine = _engine(target, method, head_dir, kernels, dtype="bfloat16")
+    assert _generate(engine, PROMPTS) == plain
+    assert any(c[3] for c in engine.speculator.proposer.calls)

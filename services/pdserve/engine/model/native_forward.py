@@ -190,6 +190,14 @@ class NativeForward:
         self._threads = torch.frombuffer(count, dtype=torch.int32)
         self._model.follow_threads(self._threads)
 
+    def linear_op(self, weight: torch.Tensor):
+        """x (R, K) -> x . weight^T + bias: on the kernels' panels where this level multiplies the
+        model's matrices in them (AVX2), else torch's product (see `ModelRunner.linear_op`)."""
+        if weight_form(self._module, weight.dtype) != "panels":
+            return lambda x, bias=None: torch.nn.functional.linear(x, weight, bias)
+        panels, columns = self._module.to_panels(weight), weight.shape[0]
+        return lambda x, bias=None: self._model.linear(x, panels, bias, None, columns)
+
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (R, H) -> float32 logits (R, vocab) through the LM head as the kernels hold it."""
         return self._model.linear(hidden, self._lm_head, None, None, self._vocab_size).float()

@@ -3,6 +3,7 @@
 The runner runs tensors; it never decides what runs or which blocks a sequence owns. It
 checks a batch against the KV tensor before touching it, so a bad batch changes nothing.
 """
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -96,6 +97,14 @@ class ModelRunner:
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids (T,) -> the rows of the input embedding (T, H), unscaled (as a head reads them)."""
         return self.model.embed.index_select(0, token_ids)
+
+    def linear_op(self, weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+        """x (R, K) -> x . weight^T + bias (R, N), multiplied as this runner's steps multiply a
+        matrix of its dtype (a head's matrices: on the AVX2 kernels torch's bf16 products are
+        several times slower than the kernels' panels)."""
+        if self.native is not None:
+            return self.native.linear_op(weight)
+        return lambda x, bias=None: torch.nn.functional.linear(x, weight, bias)
 
     @torch.inference_mode()
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,6 @@ states, would redo the prefill there.
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.speculative import FIELD, SpeculativeConfig
@@ -103,9 +102,9 @@ class Eagle1Head:
         hidden = config.hidden_size
         self.config, self.target = config, target
         self.capture = HiddenCapture(final=True)
-        self.fc = take("fc.weight", hidden, 2 * hidden)  # (H, 2H) over embed | hidden
+        self.fc = target.linear_op(take("fc.weight", hidden, 2 * hidden))  # (H, 2H) over embed | hidden
         self.fc_bias = take("fc.bias", hidden) if "fc.bias" in tensors else None  # the original EAGLE's
-        self.layer = HeadLayer(take, "layers.0.", config, hidden, target.device)
+        self.layer = HeadLayer(take, "layers.0.", config, hidden, target.device, target.linear_op)
 
     def target_hidden(self, hidden: HiddenStates) -> torch.Tensor:
         return hidden.final
@@ -114,7 +113,7 @@ class Eagle1Head:
         return self.target.embed_tokens(token_ids)
 
     def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = F.linear(torch.cat((embeds, hidden), dim=1), self.fc, self.fc_bias)  # (T, H)
+        x = self.fc(torch.cat((embeds, hidden), dim=1), self.fc_bias)  # (T, H)
         return x, x  # no input norm: the layer attends over its residual stream itself
 
     def draft(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,16 +129,16 @@ class Eagle3Head:
         self.config, self.target = config, target
         self.capture = HiddenCapture(layers=_aux_layers(hf, t.num_layers))
         target_hidden = int(hf.get("target_hidden_size") or t.hidden_size)
-        self.fc = take("fc.weight", hidden, len(self.capture.layers) * target_hidden)  # (H, 3 H_target)
+        self.fc = target.linear_op(take("fc.weight", hidden, len(self.capture.layers) * target_hidden))  # (H, 3 H_t)
         prefix = "midlayer." if any(n.startswith("midlayer.") for n in tensors) else "layers.0."
         eps = config.rms_norm_eps
         self.input_norm = RMSNorm(take(prefix + "input_layernorm.weight", hidden), eps)
         self.hidden_norm = RMSNorm(take(prefix + "hidden_norm.weight", hidden), eps)
         self.norm_before_residual = bool(hf.get("norm_before_residual", False))
-        self.layer = HeadLayer(take, prefix, config, 2 * hidden, target.device)
+        self.layer = HeadLayer(take, prefix, config, 2 * hidden, target.device, target.linear_op)
         self.norm = RMSNorm(take("norm.weight", hidden), eps)
         draft_vocab = int(hf.get("draft_vocab_size") or config.vocab_size)
-        self.lm_head = take("lm_head.weight", draft_vocab, hidden)
+        self.lm_head = target.linear_op(take("lm_head.weight", draft_vocab, hidden))
         self.to_target = torch.arange(draft_vocab, device=target.device) + (
             take("d2t", draft_vocab).long() if "d2t" in tensors else 0)  # draft id -> target id
         if not bool(((self.to_target >= 0) & (self.to_target < t.vocab_size)).all()):
@@ -147,7 +146,7 @@ class Eagle3Head:
         self.embed = take("embed_tokens.weight", t.vocab_size, hidden) if "embed_tokens.weight" in tensors else None
 
     def target_hidden(self, hidden: HiddenStates) -> torch.Tensor:
-        return F.linear(hidden.layers, self.fc)  # (T, H)
+        return self.fc(hidden.layers)  # (T, H)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.target.embed_tokens(token_ids) if self.embed is None else self.embed.index_select(0, token_ids)
@@ -158,7 +157,7 @@ class Eagle3Head:
         return torch.cat((self.input_norm(embeds), normed), dim=1), residual  # (T, 2H), (T, H)
 
     def draft(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(self.norm(out), self.lm_head)  # (R, draft vocab)
+        logits = self.lm_head(self.norm(out))  # (R, draft vocab)
         return self.to_target[logits.argmax(dim=1)], out
 
 

@@ -12,7 +12,8 @@ hold the K/V of whatever used the block last and are masked, never read.
 The layer is a Llama/Qwen2 decoder layer whose attention input and residual stream its head
 makes (`HeadLayer.__call__`): EAGLE feeds the fused input unnormed, EAGLE-3 the normed
 embedding beside the normed hidden state (so q/k/v read twice the hidden width), MTP the
-normed projection. Heads run on torch ops in the target's dtype.
+normed projection. Heads run in the target's dtype, their matrices multiplied as the target's
+own are (`ModelRunner.linear_op`), the rest on torch ops.
 """
 import json
 from collections.abc import Callable
@@ -26,9 +27,11 @@ from safetensors import safe_open
 from pdserve.common.errors import ConfigError
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.model.kv_tensor import FP8_DTYPE
-from pdserve.engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pdserve.engine.model.layers import RMSNorm, RotaryEmbedding
 
 Take = Callable[..., torch.Tensor]  # take(name, *shape) -> the checkpoint's tensor, its shape checked
+Linear = Callable[..., torch.Tensor]  # linear(x, bias=None) -> x . W^T + bias, for one matrix W
+LinearOp = Callable[[torch.Tensor], Linear]  # W -> its product (`ModelRunner.linear_op`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,40 +107,43 @@ class HeadLayer:
     """A decoder layer over an input its head makes: attention over `x`, added to `residual`, then
     the MLP over the post-attention norm, added again."""
 
-    __slots__ = ("qkv", "qkv_bias", "o_proj", "post_norm", "mlp", "num_heads", "num_kv_heads", "head_dim", "scale",
-                 "rope")
+    __slots__ = ("qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down", "activation", "num_heads",
+                 "num_kv_heads", "head_dim", "scale", "rope")
 
-    def __init__(self, take: Take, prefix: str, config: ModelConfig, input_width: int, device: torch.device) -> None:
+    def __init__(self, take: Take, prefix: str, config: ModelConfig, input_width: int, device: torch.device,
+                 linear: LinearOp) -> None:
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.attention_scale
         self.rope = RotaryEmbedding(c.rope_of(0), c.head_dim, device)
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         attn = prefix + "self_attn."
-        self.qkv = torch.cat([take(attn + "q_proj.weight", q_width, input_width),
-                              take(attn + "k_proj.weight", kv_width, input_width),
-                              take(attn + "v_proj.weight", kv_width, input_width)])  # (q + 2 kv, X)
+        self.qkv = linear(torch.cat([take(attn + "q_proj.weight", q_width, input_width),
+                                     take(attn + "k_proj.weight", kv_width, input_width),
+                                     take(attn + "v_proj.weight", kv_width, input_width)]))  # (q + 2 kv, X)
         self.qkv_bias = torch.cat([take(attn + "q_proj.bias", q_width), take(attn + "k_proj.bias", kv_width),
                                    take(attn + "v_proj.bias", kv_width)]) if c.qkv_bias else None
-        self.o_proj = take(attn + "o_proj.weight", c.hidden_size, q_width)
+        self.o_proj = linear(take(attn + "o_proj.weight", c.hidden_size, q_width))
         self.post_norm = RMSNorm(take(prefix + "post_attention_layernorm.weight", c.hidden_size), c.rms_norm_eps)
         mlp = prefix + "mlp."
-        gate_up = torch.cat([take(mlp + "gate_proj.weight", c.intermediate_size, c.hidden_size),
-                             take(mlp + "up_proj.weight", c.intermediate_size, c.hidden_size)])
-        self.mlp = GatedMLP(gate_up, take(mlp + "down_proj.weight", c.hidden_size, c.intermediate_size),
-                            activation=c.activation)
+        self.gate_up = linear(torch.cat([take(mlp + "gate_proj.weight", c.intermediate_size, c.hidden_size),
+                                         take(mlp + "up_proj.weight", c.intermediate_size, c.hidden_size)]))
+        self.down = linear(take(mlp + "down_proj.weight", c.hidden_size, c.intermediate_size))
+        self.activation = c.activation
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, spans: list[Span],
                  kv: HeadKv) -> torch.Tensor:
         """x (T, X), residual (T, H) -> (T, H); writes the rows' K/V into `kv`."""
         num_tokens, nh, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # (T, (nh + 2 kvh) hd)
+        qkv = self.qkv(x, self.qkv_bias)  # (T, (nh + 2 kvh) hd)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         qk = RotaryEmbedding.apply(qkv[:, :(nh + kvh) * hd].view(num_tokens, nh + kvh, hd), cos, sin)
         v = qkv[:, (nh + kvh) * hd:].view(num_tokens, kvh, hd)
         attn = kv.attend(qk[:, :nh], qk[:, nh:], v, spans, self.scale)  # (T, nh hd)
-        h = residual + F.linear(attn, self.o_proj)
-        return h + self.mlp(self.post_norm(h))
+        h = residual + self.o_proj(attn)
+        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)  # (T, I) each
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return h + self.down(act * up)
 
 
 def tensor_taker(tensors: dict[str, torch.Tensor], field: str, source: str) -> Take:

@@ -19,7 +19,6 @@ and `eagle.py`'s (the same choice on a decode worker: start from the first posit
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.speculative import FIELD, SpeculativeConfig
@@ -72,9 +71,9 @@ class MimoMtpHead:
         self.capture = HiddenCapture(final=True)
         self.token_norm = RMSNorm(take(PREFIX + "token_layernorm.weight", hidden), eps)
         self.hidden_norm = RMSNorm(take(PREFIX + "hidden_layernorm.weight", hidden), eps)
-        self.input_proj = take(PREFIX + "input_proj.weight", hidden, 2 * hidden)  # (H, 2H) over hidden | embed
+        self.input_proj = target.linear_op(take(PREFIX + "input_proj.weight", hidden, 2 * hidden))  # over hidden | embed
         self.input_norm = RMSNorm(take(PREFIX + "input_layernorm.weight", hidden), eps)
-        self.layer = HeadLayer(take, PREFIX, config, hidden, target.device)
+        self.layer = HeadLayer(take, PREFIX, config, hidden, target.device, target.linear_op)
         self.final_norm = RMSNorm(take(PREFIX + "final_layernorm.weight", hidden), eps)
 
     def target_hidden(self, hidden: HiddenStates) -> torch.Tensor:
@@ -85,7 +84,7 @@ class MimoMtpHead:
 
     def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = embeds.masked_fill((positions == 0).unsqueeze(1), 0.0)  # as vLLM: position 0 reads no token
-        x = F.linear(torch.cat((self.hidden_norm(hidden), self.token_norm(embeds)), dim=1), self.input_proj)
+        x = self.input_proj(torch.cat((self.hidden_norm(hidden), self.token_norm(embeds)), dim=1))
         return self.input_norm(x), x
 
     def draft(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

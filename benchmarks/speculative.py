@@ -1,15 +1,19 @@
 """Speculative decoding against none, served as users run it: `pdserve serve --aggregated` without
 speculation, then with `--speculative-config` (n-gram prompt lookup by default), one after the
-other in one run, each driven by `pdserve bench` (greedy, ignore_eos, `/v1/completions`) on two workloads at each
-`--concurrency`: `copy` (an instruction to repeat a passage of prose: the output repeats spans of
-the prompt, where prompt lookup drafts well) and `random` (random tokens: little to draft from).
+other, taking turns for `--rounds` rounds; each driven by `pdserve bench` (greedy, ignore_eos,
+`/v1/completions`) on two workloads at each `--concurrency`: `copy` (an instruction to repeat a
+passage of prose: the output repeats spans of the prompt, where prompt lookup drafts well) and
+`random` (random tokens: nothing in the prompt to copy, though a small model's greedy answer
+soon repeats itself, which prompt lookup drafts from too).
 
 Per row: output tok/s, TPOT and TTFT percentiles (the batch-1 TPOT p50 is the figure speculation
-is meant to cut), and the ratios spec / no-spec per workload and concurrency. From the worker's
-`vllm:spec_decode_*` counters, scraped before and after each row: drafts, draft tokens, accepted
-tokens, the acceptance rate per draft position (accepted at position i / drafts), and the mean
-accepted length (1 + accepted / drafts, as vLLM reports it). One warm-up bench per server
-(another seed) comes first, so the counters of a row are that row's requests only.
+is meant to cut), and from the worker's `vllm:spec_decode_*` counters, scraped before and after
+each row: drafts, draft tokens, accepted tokens, the acceptance rate per draft position
+(accepted at position i / drafts), and the mean accepted length (1 + accepted / drafts, as vLLM
+reports it). One warm-up bench per server (another seed) comes first, so the counters of a row
+are that row's requests only. The ratios spec / no-spec per workload and concurrency compare
+each row's best round (a shared machine's noise only ever slows a round down); every round's
+row is in `results`.
 
     python benchmarks/speculative.py --json results-speculative.json
     python benchmarks/speculative.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 2}'
@@ -58,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
     parser.add_argument("--num-warmups", type=int, default=2, help="unmeasured requests per server, first")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="the servers take turns this many times; the "
+                        "ratios compare each row's best round")
     parser.add_argument("--serve-flags", default="", help="more `pdserve serve` flags, for both servers")
     parser.add_argument("--keep-dir", help="keep serve's logs and the bench JSON here")
     parser.add_argument("--json", help="write the report here")
@@ -120,22 +126,23 @@ def acceptance(before: dict[str, float], after: dict[str, float], num_positions:
             "mean_accepted_len": 1 + accepted / drafts if drafts else None}
 
 
-def measure(system: str, args: argparse.Namespace, directory: Path) -> list[dict]:
+def measure(system: str, args: argparse.Namespace, directory: Path, round_: int) -> list[dict]:
     flags = ("--aggregated",) + (("--speculative-config", args.speculative_config) if system == "spec" else ())
     tokenizer = args.model or str(default_model_path())
     num_positions = json.loads(args.speculative_config).get("num_speculative_tokens", 0)
-    serve, url, metrics_ports = start_serve(system, flags, args, directory)
+    name = f"{system}-{round_}"
+    serve, url, metrics_ports = start_serve(name, flags, args, directory)
     rows = []
     try:
         if args.num_warmups:
             warmup = bench_argv("copy", args.num_warmups, args.num_warmups, args.seed + 1, args)
-            run_bench(warmup, url, tokenizer, directory / f"{system}-warmup.json")
+            run_bench(warmup, url, tokenizer, directory / f"{name}-warmup.json")
         for workload in args.workloads:
             for concurrency, num_prompts in zip(args.concurrency, args.num_prompts):
                 before = spec_counters(metrics_ports)
                 bench = run_bench(bench_argv(workload, num_prompts, concurrency, args.seed, args), url, tokenizer,
-                                  directory / f"{system}-{workload}-{concurrency}.json")
-                rows.append({**result_row(system, workload, bench), "concurrency": concurrency,
+                                  directory / f"{name}-{workload}-{concurrency}.json")
+                rows.append({**result_row(system, workload, bench), "concurrency": concurrency, "round": round_,
                              "load_1m": os.getloadavg()[0],
                              **acceptance(before, spec_counters(metrics_ports), num_positions)})
     finally:
@@ -143,9 +150,19 @@ def measure(system: str, args: argparse.Namespace, directory: Path) -> list[dict
     return rows
 
 
-def side_by_side(rows: list[dict]) -> tuple[dict, list[str]]:
+def best_rounds(rows: list[dict]) -> dict[tuple, dict]:
+    """Per (system, workload, concurrency) its round of the most output tok/s: a shared
+    machine's noise only ever slows a round down."""
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["system"], row["workload"], row["concurrency"])
+        if key not in best or row["output_tok_s"] > best[key]["output_tok_s"]:
+            best[key] = row
+    return best
+
+
+def side_by_side(by_key: dict[tuple, dict]) -> tuple[dict, list[str]]:
     """Ratios spec / no-spec per workload and concurrency, and the printed table."""
-    by_key = {(row["system"], row["workload"], row["concurrency"]): row for row in rows}
     ratios, lines = {}, [f"{'workload':<8}{'conc':>5}  {'metric':<14}{'no_spec':>10}{'spec':>10}{'ratio':>8}"]
     for (system, workload, concurrency), spec in by_key.items():
         base = by_key.get(("no_spec", workload, concurrency))
@@ -172,10 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with work_dir(args.keep_dir, "pdserve-speculative-") as directory:
         rows = []
-        for system in SYSTEMS:
-            print(f"speculative: {system}", flush=True)
-            rows += measure(system, args, directory)
-    ratios, table = side_by_side(rows)
+        for round_ in range(args.rounds):
+            for system in SYSTEMS:
+                print(f"speculative: round {round_}, {system}", flush=True)
+                rows += measure(system, args, directory, round_)
+    ratios, table = side_by_side(best_rounds(rows))
     config = {key: value for key, value in vars(args).items() if key not in ("json", "keep_dir")}
     config |= {"speculative_config": json.loads(args.speculative_config),
                "model": Path(args.model or default_model_path()).name, "commit": git_commit(),

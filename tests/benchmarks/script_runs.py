@@ -213,6 +213,12 @@ def _serving_overhead(report: dict) -> None:
     assert {"cpu", "isa"} <= report["machine"].keys()
 
 
+def _head_context(report: dict) -> None:
+    assert rows_of(report, "view") == [("aggregated",), ("decode_worker",), (None,)]
+    assert {"acceptance_per_position", "mean_accepted_per_step"} <= report["results"][0].keys()
+    assert set(report["ratios"]) == {"mean_accepted_decode_worker_over_aggregated", "prompt_pass_over_decode_time"}
+
+
 SMALL_SERVING = ("--model", "{model}", "--num-prompts", "2", "--input-len", "32", "--output-len", "4",
                  "--prefix-len", "16", "--max-concurrency", "2", "--num-warmups", "0", "--kv-cache-memory", "64MiB")
 SMALL_MODEL = ("--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "256",
@@ -262,6 +268,8 @@ RUNS: dict[str, ScriptRun] = {
                                         "--num-biases", "4", "--num-bad-words", "4", "--repeats", "1"),
                                        _sampler_processors),
     "model_forward.py": ScriptRun((*SMALL_MODEL, "--decode-steps", "4"), _model_forward),
+    "head_context.py": ScriptRun(("--model", "{model}", "--train-tokens", "512", "--window", "64", "--epochs", "1",
+                                  "--num-prompts", "2", "--prompt-len", "32", "--output-len", "8"), _head_context),
     "packed_products.py": ScriptRun(("--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "2",
                                      "--head-dim", "32", "--vocab", "512", "--layers", "1", "--rounds", "1",
                                      "--repeat", "1", "--rows", "1,8"), _packed_products),

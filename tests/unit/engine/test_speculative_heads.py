@@ -257,3 +257,32 @@ def test_greedy_output_unchanged_in_bfloat16(heads, level, method):
     engine = _engine(target, method, head_dir, kernels, dtype="bfloat16")
     assert _generate(engine, PROMPTS) == plain
     assert any(c[3] for c in engine.speculator.proposer.calls)
+
+
+@pytest.mark.parametrize("fields, named", [({"num_hidden_layers": 2}, "num_hidden_layers"),
+                                           ({"add_para_norm": True}, "add_para_norm"),
+                                           ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state")])
+def test_head_variants_not_computed_are_refused_by_name(heads, tmp_path, fields, named):
+    target, _, _ = heads["eagle"]
+    runner = load_runner(_Path(target), num_blocks=8, kernels="torch")
+    context = DrafterContext(runner, KvCacheManager(KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK), 8))
+    head = make_eagle_head(tmp_path / "variant", target)
+    _rewrite_config(head, **fields)
+    with pytest.raises(ConfigError, match=named):
+        eagle.load(SpeculativeConfig("eagle", 2, model=str(head)), context)
+
+
+def test_an_eagle3_head_stored_under_layers_0_loads_as_vllm_renames_it(heads, tmp_path):
+    """Converted EAGLE-3 heads keep the midlayer as `layers.0.*` (vLLM renames midlayer to it)."""
+    from safetensors.torch import load_file, save_file
+    target, hf_model, original = heads["eagle3"]
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    tensors = {n.replace("midlayer.", "layers.0."): t for n, t in load_file(str(original / "model.safetensors")).items()}
+    save_file(tensors, str(renamed / "model.safetensors"))
+    (renamed / "config.json").write_text((original / "config.json").read_text())
+    first = _engine(target, "eagle3", original, "torch")
+    second = _engine(target, "eagle3", renamed, "torch")
+    _generate(first, PROMPTS[:1])
+    _generate(second, PROMPTS[:1])
+    assert first.speculator.proposer.calls == second.speculator.proposer.calls

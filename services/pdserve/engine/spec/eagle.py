@@ -56,12 +56,14 @@ def load(config: SpeculativeConfig, context: DrafterContext) -> HeadDrafts:
     for a head of another layout or shape than the method and the target need."""
     path, target = Path(config.model), context.target
     hf = read_hf_config(path, MODEL_FIELD)
-    is_eagle3 = hf.get("architectures", [None])[0] in EAGLE3_ARCHITECTURES
     tensors = {_plain_name(n): t for n, t in read_tensors(path, MODEL_FIELD, lambda name: True).items()}
-    if config.method == "eagle3" and not any(n.startswith("midlayer.") for n in tensors):
+    is_eagle3 = (hf.get("architectures", [None])[0] in EAGLE3_ARCHITECTURES
+                 or any(n.startswith("midlayer.") or n.endswith(".hidden_norm.weight") for n in tensors))
+    if config.method == "eagle3" and not is_eagle3:
         raise ConfigError(MODEL_FIELD, config.model, "not an EAGLE-3 head (no midlayer.* tensors): use method 'eagle'")
-    if config.method == "eagle" and (is_eagle3 or any(n.startswith("midlayer.") for n in tensors)):
+    if config.method == "eagle" and is_eagle3:
         raise ConfigError(MODEL_FIELD, config.model, "an EAGLE-3 head: use method 'eagle3'")
+    _check_served(hf)
     head_config = _head_config(path)
     _check_fits(head_config, target.config, config.model)
     dtype, device = target.dtype, target.device
@@ -84,6 +86,18 @@ def _head_config(path: Path) -> ModelConfig:
         return ModelConfig.from_hf_config({**hf, "architectures": ["LlamaForCausalLM"]})
     except ConfigError as err:
         raise ConfigError(MODEL_FIELD, str(path), f"{err.field}: {err.reason}") from None
+
+
+def _check_served(hf: dict) -> None:
+    """Variants vLLM reads that these heads do not compute: refused by name, never drafted wrong."""
+    if hf.get("num_hidden_layers", 1) != 1:
+        raise ConfigError(f"{MODEL_FIELD}.num_hidden_layers", hf["num_hidden_layers"], "heads of one layer are served")
+    if hf.get("add_para_norm"):
+        raise ConfigError(f"{MODEL_FIELD}.add_para_norm", True, "HASS-style heads (norms of embed and hidden "
+                          "before fc) are not served")
+    if (hf.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+        raise ConfigError(f"{MODEL_FIELD}.eagle_config.use_aux_hidden_state", False, "EAGLE-3 heads read the "
+                          "three target layers' states (use_aux_hidden_state true)")
 
 
 def _check_fits(head: ModelConfig, target: ModelConfig, source: str) -> None:

@@ -213,6 +213,16 @@ def _serving_overhead(report: dict) -> None:
     assert {"cpu", "isa"} <= report["machine"].keys()
 
 
+def _speculative(report: dict) -> None:
+    assert rows_of(report, "system", "workload", "concurrency", "failed") == [
+        (system, workload, 1, 0) for system in ("no_spec", "spec") for workload in ("copy", "random")]
+    spec = [row for row in report["results"] if row["system"] == "spec"]
+    assert all(row["num_drafts"] > 0 and 0 <= row["num_accepted_tokens"] <= row["num_draft_tokens"] for row in spec)
+    assert all(row["num_drafts"] == 0 for row in report["results"] if row["system"] == "no_spec")
+    assert set(report["ratios"]) == {f"{figure} ({workload} @1): spec / no_spec" for workload in ("copy", "random")
+                                     for figure in ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms")}
+
+
 def _head_context(report: dict) -> None:
     assert rows_of(report, "view") == [("aggregated",), ("decode_worker",), (None,)]
     assert {"acceptance_per_position", "mean_accepted_per_step"} <= report["results"][0].keys()
@@ -268,6 +278,8 @@ RUNS: dict[str, ScriptRun] = {
                                         "--num-biases", "4", "--num-bad-words", "4", "--repeats", "1"),
                                        _sampler_processors),
     "model_forward.py": ScriptRun((*SMALL_MODEL, "--decode-steps", "4"), _model_forward),
+    "speculative.py": ScriptRun(("--model", "{model}", "--concurrency", "1", "--num-prompts", "2", "--input-len", "96",
+                                 "--output-len", "8", "--num-warmups", "0", "--rounds", "1"), _speculative),
     "head_context.py": ScriptRun(("--model", "{model}", "--train-tokens", "512", "--window", "64", "--epochs", "1",
                                   "--num-prompts", "2", "--prompt-len", "32", "--output-len", "8"), _head_context),
     "packed_products.py": ScriptRun(("--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "2",
